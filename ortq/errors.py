@@ -1,0 +1,78 @@
+"""Every error ortq raises, in one tree under :class:`OrtqError`.
+
+A worker that fails a job sends the error's class name and message to the producer
+inside the response frame (see docs/wire-format.md); the producer raises
+:class:`InferenceFailed` carrying both.
+"""
+
+from __future__ import annotations
+
+
+class OrtqError(Exception):
+    """Base class of every error ortq raises on purpose."""
+
+
+class ConfigurationError(OrtqError):
+    """A setting, CLI flag or environment variable has a value ortq cannot use."""
+
+
+class WireFormatError(OrtqError):
+    """Bytes that are not a valid ortq frame: garbage, truncated, wrong version or inconsistent header."""
+
+
+class PayloadTooLarge(WireFormatError):
+    """A frame is larger than the configured maximum; it was refused before being decoded."""
+
+
+class InvalidInput(OrtqError):
+    """Input tensors that do not fit the model: unknown or missing names, wrong dtype, rank or fixed dim."""
+
+
+class UnsupportedDtype(InvalidInput):
+    """An array whose dtype has no ONNX tensor type ortq carries (object, str, complex, datetime, ...)."""
+
+
+class ModelNotFound(OrtqError):
+    """No worker has published a model under this name (or its record expired)."""
+
+
+class InferenceFailed(OrtqError):
+    """The worker could not run the job; ``remote_type`` and ``remote_message`` say why."""
+
+    def __init__(self, job_id: str, remote_type: str, remote_message: str) -> None:
+        super().__init__(f"job {job_id} failed: {remote_type}: {remote_message}")
+        self.job_id = job_id
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+
+
+class ResultTimeout(OrtqError):
+    """No result arrived within the time the caller was willing to wait; the job may still run later."""
+
+
+class JobNotFound(OrtqError):
+    """The job id is unknown to Redis: never enqueued, or its records have expired."""
+
+
+class UnknownJobFunction(OrtqError):
+    """A job names a callable other than ortq's inference function; it is failed without importing it."""
+
+
+class RequestExpired(OrtqError):
+    """The job's request tensors were gone when a worker took it (its ttl passed before it started)."""
+
+
+class ProviderUnavailable(OrtqError):
+    """The requested execution provider could not be created, and falling back to the CPU was not allowed."""
+
+
+class RuntimeConflict(OrtqError):
+    """More than one ONNX Runtime distribution is installed; they overwrite each other's ``onnxruntime``."""
+
+
+class RuntimeMissing(OrtqError):
+    """No ONNX Runtime distribution is installed; a worker needs ``ortq[worker]`` or ``ortq[cuda]``."""
+
+
+class ModelLoadError(OrtqError):
+    """The model file could not be read or ONNX Runtime refused it."""

@@ -1,0 +1,80 @@
+"""Every Redis key ortq reads or writes, in one place.
+
+docs/wire-format.md mirrors this module; a change here is a change to the wire format.
+RQ's own keys (``rq:job:<id>``, ``rq:queue:<queue>``, registries) are named by RQ; the
+ones ortq writes itself when enqueueing are spelled out here so that producers in any
+language can write them too.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ortq.errors import ConfigurationError
+
+PREFIX = "ortq:"
+
+#: The dotted path every ortq RQ job names. A worker runs no other function.
+JOB_FUNC = "ortq.rqjob.infer"
+
+#: RQ's set of known queue keys (RQ writes and reads it; ortq producers add to it).
+RQ_QUEUES_SET = "rq:queues"
+
+#: Set of worker names that published a record (members whose record expired are pruned on read).
+WORKERS_SET = PREFIX + "workers"
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as str (clients return bytes unless created with decode_responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def check_model_name(name: str) -> str:
+    """Return ``name`` if it can name a model (and so a queue), else raise ConfigurationError."""
+    if not isinstance(name, str) or not _MODEL_NAME.match(name):
+        raise ConfigurationError(
+            f"invalid model name {name!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
+        )
+    return name
+
+
+def queue_name(model: str) -> str:
+    """The RQ queue that carries jobs for ``model``; one queue per model name."""
+    return PREFIX + model
+
+
+def queue_key(model: str) -> str:
+    """The Redis list behind :func:`queue_name` (RQ's ``rq:queue:<name>``)."""
+    return "rq:queue:" + queue_name(model)
+
+
+def job_key(job_id: str) -> str:
+    """RQ's job hash."""
+    return "rq:job:" + job_id
+
+
+def request_key(job_id: str) -> str:
+    """String holding the job's request frame; written with the enqueue, deleted when the job ends."""
+    return PREFIX + "req:" + job_id
+
+
+def reply_key(job_id: str) -> str:
+    """List holding the job's one response frame; the producer blocks on it."""
+    return PREFIX + "reply:" + job_id
+
+
+def signature_key(model: str) -> str:
+    """JSON record of the model's signature, published by every worker that serves it."""
+    return PREFIX + "signature:" + model
+
+
+def worker_key(worker_name: str) -> str:
+    """JSON record of one worker (model, provider, device, host, pid); expires unless refreshed."""
+    return PREFIX + "worker:" + worker_name
+
+
+def model_from_queue_name(name: str) -> str | None:
+    """The model a queue serves, or None when the queue is not an ortq queue."""
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else None

@@ -1,0 +1,64 @@
+"""The Redis commands that enqueue one ortq job, exactly as docs/wire-format.md lists them.
+
+A producer writes RQ's job hash and queue entry itself (rather than through
+``rq.Queue.enqueue``), so that what ortq sends is small, fixed and documented, and so that
+the request frame goes in the same MULTI/EXEC as the job that points to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from uuid import uuid4
+
+from ortq import keys
+from ortq.serializer import MsgpackSerializer
+
+
+def rq_timestamp(moment: datetime | None = None) -> str:
+    """RQ's timestamp format (UTC, microseconds, trailing Z)."""
+    return (moment or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Per-job settings that travel in RQ's job hash."""
+
+    request_ttl: int
+    result_ttl: int
+    failure_ttl: int
+    ttl: int | None = None  # seconds the job may wait in the queue before it is dropped
+    job_timeout: int | None = None  # seconds a run may take (RQ's "timeout" field)
+
+
+def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
+    """The RQ job hash fields ortq writes for a queued job."""
+    fields: dict[str, Any] = {
+        "status": "queued",
+        "origin": keys.queue_name(model),
+        "data": MsgpackSerializer.dumps([keys.JOB_FUNC, None, [model], {}]),
+        "description": f"{keys.JOB_FUNC}({model!r})",
+        "created_at": now,
+        "enqueued_at": now,
+        "result_ttl": options.result_ttl,
+        "failure_ttl": options.failure_ttl,
+    }
+    if options.ttl is not None:
+        fields["ttl"] = options.ttl
+    if options.job_timeout is not None:
+        fields["timeout"] = options.job_timeout
+    return fields
+
+
+def add_enqueue(pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str | None = None) -> str:
+    """Queue the commands that enqueue one job on ``pipe``; returns the job id."""
+    job_id = job_id or str(uuid4())
+    request_ttl = options.request_ttl if options.ttl is None else min(options.request_ttl, options.ttl)
+    pipe.set(keys.request_key(job_id), frame, ex=request_ttl)
+    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, rq_timestamp()))
+    if options.ttl is not None:
+        pipe.expire(keys.job_key(job_id), options.ttl)
+    pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
+    pipe.rpush(keys.queue_key(model), job_id)
+    return job_id

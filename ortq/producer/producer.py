@@ -1,0 +1,216 @@
+"""``ortq.Producer``: push named numpy tensors to a model's queue and get the outputs back.
+
+A producer needs numpy, msgpack and redis only; it never imports ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+import numpy as np
+import redis
+
+from ortq import keys, wire
+from ortq.errors import InferenceFailed, JobNotFound, ResultTimeout
+from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.rqjob import OrtqJob
+from ortq.serializer import MsgpackSerializer
+from ortq.settings import Settings
+from ortq.signature import ModelSignature
+
+#: Seconds a fetched model signature is trusted before it is read again.
+_SIGNATURE_CACHE_SECONDS = 5.0
+
+
+class InferenceJob:
+    """A submitted job: wait for its outputs with :meth:`result`, look at it with :meth:`status`."""
+
+    def __init__(self, producer: Producer, job_id: str, model: str) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"InferenceJob(id={self.id!r}, model={self.model!r})"
+
+    def status(self) -> str:
+        """RQ's status of the job: queued, started, finished, failed, canceled, ...
+
+        Raises JobNotFound when Redis has no record of it (never enqueued, or expired).
+        """
+        raw = self.producer.connection.hget(keys.job_key(self.id), "status")
+        if raw is None:
+            raise JobNotFound(f"no job {self.id} in Redis (never enqueued, or its record expired)")
+        return keys.as_text(raw)
+
+    def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
+        """Block until the job's response arrives (at most ``timeout`` seconds) and return its outputs.
+
+        The arrays are read-only views onto the received frame (no copy); ``.copy()`` one to write to it.
+        Raises InferenceFailed if the worker failed the job, ResultTimeout if nothing arrived in time.
+        """
+        response = self.producer.wait_response(self.id, timeout)
+        if response.error is not None:
+            raise InferenceFailed(self.id, response.error.type, response.error.message)
+        return response.outputs
+
+    def cancel(self) -> bool:
+        """Take the job off its queue if no worker has started it; returns whether it was removed."""
+        return self.producer.cancel(self.id, self.model)
+
+
+class Producer:
+    """Submits jobs to ortq workers through Redis."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        connection: redis.Redis | None = None,
+        validate: bool = True,
+    ) -> None:
+        self.settings = settings or Settings.from_env(redis_url=redis_url)
+        self.connection = connection or self.settings.connect()
+        self.validate = validate
+        self._signatures: dict[str, tuple[float, ModelSignature | None]] = {}
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ signatures
+
+    def signature(self, model: str) -> ModelSignature | None:
+        """The signature the model's workers published, or None if none has (yet)."""
+        cached = self._signatures.get(model)
+        if cached is not None and time.monotonic() - cached[0] < _SIGNATURE_CACHE_SECONDS:
+            return cached[1]
+        raw = self.connection.get(keys.signature_key(keys.check_model_name(model)))
+        signature = None if raw is None else ModelSignature.loads(raw)
+        self._signatures[model] = (time.monotonic(), signature)
+        return signature
+
+    def _encode(self, model: str, inputs: Mapping[str, Any]) -> bytes:
+        arrays = {name: wire.as_wire_array(name, value) for name, value in inputs.items()}
+        if self.validate:
+            signature = self.signature(model)
+            # With no worker published yet there is nothing to check against; the worker checks again.
+            if signature is not None:
+                signature.check_inputs(arrays)
+        return wire.encode_request(arrays)
+
+    def _options(self, ttl: int | None, job_timeout: int | None) -> JobOptions:
+        return JobOptions(
+            request_ttl=self.settings.request_ttl,
+            result_ttl=self.settings.result_ttl,
+            failure_ttl=self.settings.failure_ttl,
+            ttl=ttl,
+            job_timeout=job_timeout,
+        )
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        ttl: int | None = None,
+        job_timeout: int | None = None,
+    ) -> InferenceJob:
+        """Validate and enqueue one job; returns at once with a handle to wait on.
+
+        ``ttl``: seconds the job may wait for a worker before it is dropped.
+        ``job_timeout``: seconds a worker may spend on it.
+        """
+        return self.submit_many(model, [inputs], ttl=ttl, job_timeout=job_timeout)[0]
+
+    def submit_many(
+        self,
+        model: str,
+        many_inputs: Iterable[Mapping[str, Any]],
+        *,
+        ttl: int | None = None,
+        job_timeout: int | None = None,
+    ) -> list[InferenceJob]:
+        """Validate every job first, then enqueue them all in one MULTI/EXEC round trip."""
+        keys.check_model_name(model)
+        frames = [self._encode(model, inputs) for inputs in many_inputs]
+        options = self._options(ttl, job_timeout)
+        with self.connection.pipeline(transaction=True) as pipe:
+            ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
+            pipe.execute()
+        return [InferenceJob(self, job_id, model) for job_id in ids]
+
+    def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
+        """Submit one job and wait for its outputs.
+
+        On ResultTimeout the job is taken off the queue if no worker has started it, so that no
+        worker spends time on an answer nobody waits for.
+        """
+        job = self.submit(model, inputs)
+        try:
+            return job.result(timeout)
+        except ResultTimeout:
+            job.cancel()
+            raise
+
+    def workers(self, model: str) -> list[dict[str, Any]]:
+        """The published records of the live workers serving ``model``."""
+        names = sorted(keys.as_text(n) for n in self.connection.smembers(keys.WORKERS_SET))
+        records = self.connection.mget([keys.worker_key(n) for n in names]) if names else []
+        live = (json.loads(raw) for raw in records if raw is not None)
+        return [record for record in live if record.get("model") == model]
+
+    def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.workers(model)
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise ResultTimeout(f"{len(found)} of {count} workers for model {model!r} after {timeout:g} s")
+            time.sleep(0.1)  # start-up only; results are waited for by blocking reads
+
+    def job(self, job_id: str, model: str) -> InferenceJob:
+        """A handle on a job submitted earlier (by any producer)."""
+        return InferenceJob(self, job_id, keys.check_model_name(model))
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait_response(self, job_id: str, timeout: float) -> wire.Response:
+        """Block on the job's reply list; the response stays there for other readers until it expires."""
+        key = keys.reply_key(job_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ResultTimeout(f"no result for job {job_id} within {timeout:g} s")
+            # BLMOVE from a list onto itself returns its one element without removing it.
+            # Slices stay under the socket timeout, which would otherwise cut a long block short.
+            block = min(remaining, self.settings.block_slice)
+            # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
+            frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
+            if frame is not None:
+                return wire.decode_response(cast(bytes, frame), max_bytes=self.settings.max_frame_bytes)
+
+    def cancel(self, job_id: str, model: str) -> bool:
+        """Remove a queued job (see InferenceJob.cancel)."""
+        if not self.connection.lrem(keys.queue_key(model), 0, job_id):
+            return False
+        self.connection.delete(keys.request_key(job_id))
+        # The record may already have expired; the job is off the queue either way.
+        with contextlib.suppress(Exception):
+            OrtqJob.fetch(job_id, connection=self.connection, serializer=MsgpackSerializer).cancel()
+        return True

@@ -1,0 +1,342 @@
+"""The ortq frame: one byte string carrying a request's or a response's tensors.
+
+A frame is ``b"ORTQ"``, a little-endian u32 header length H, a msgpack header map of H bytes,
+zero padding up to a multiple of 8, then the tensors' raw little-endian C-order bytes at the
+offsets the header gives. docs/wire-format.md specifies it for implementers in other languages.
+
+Frames come out of Redis, which anyone with access can write to, so the decoder treats them as
+hostile: it raises only :class:`WireFormatError` (or its subclass :class:`PayloadTooLarge`), never
+allocates from declared shapes, and returns arrays that are zero-copy views of the frame.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from math import prod
+from typing import Any, NoReturn, TypeGuard
+
+import msgpack
+import numpy as np
+from numpy.typing import NDArray
+
+from ortq.errors import InvalidInput, PayloadTooLarge, UnsupportedDtype, WireFormatError
+
+WIRE_VERSION: int = 1
+MAGIC: bytes = b"ORTQ"
+SUPPORTED_DTYPES: tuple[str, ...] = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
+DEFAULT_MAX_FRAME_BYTES: int = 256 * 1024 * 1024
+# Decoding a msgpack header builds Python objects several times its size (an empty array is one
+# byte on the wire and ~64 bytes in memory), so the header gets its own, much smaller, limit.
+MAX_HEADER_BYTES: int = 1024 * 1024
+MAX_DIMS: int = 32
+
+# The exact little-endian dtype each name stands for; a decoder builds its views with these, so
+# arrays read the same on big-endian hosts.
+_WIRE_DTYPES: dict[str, np.dtype[Any]] = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
+_NAMES_BY_KIND_SIZE: dict[tuple[str, int], str] = {(d.kind, d.itemsize): n for n, d in _WIRE_DTYPES.items()}
+_ALIGN = 8
+_ZEROS = bytes(_ALIGN)
+_PREFIX = struct.Struct("<4sI")
+# A worker's error message can be a long traceback; it must still fit in the header limit.
+_MAX_ERROR_MESSAGE_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """Why a worker failed a job: the exception's class name and message, as sent in the frame."""
+
+    type: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoded request: input tensors by name (read-only views of the frame) and run options."""
+
+    inputs: dict[str, NDArray[Any]]
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Response:
+    """A decoded response: outputs (empty when the job failed), the failure if any, and timings in seconds."""
+
+    outputs: dict[str, NDArray[Any]]
+    error: RemoteError | None
+    timings: dict[str, float]
+
+    @property
+    def ok(self) -> bool:
+        """True when the worker ran the model; False when ``error`` says why it did not."""
+        return self.error is None
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """The wire name ('float32', ...) of a numpy dtype of either byte order, or UnsupportedDtype."""
+    name = _NAMES_BY_KIND_SIZE.get((dtype.kind, dtype.itemsize))
+    # A structured dtype with one field still has kind 'V', so kind + size identifies the type.
+    if name is None:
+        raise UnsupportedDtype(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+def as_wire_array(name: str, value: object) -> NDArray[Any]:
+    """``value`` as the little-endian C-contiguous array a frame carries; copies only when needed.
+
+    Raises UnsupportedDtype (naming the tensor) for dtypes with no wire type, so a producer can
+    check inputs before enqueueing anything.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"tensor names must be non-empty strings, got {_short(name)}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists and the like
+        raise InvalidInput(f"tensor {name!r} cannot be converted to an array: {exc}") from exc
+    try:
+        wire = _WIRE_DTYPES[dtype_name(arr.dtype)]
+    except UnsupportedDtype:
+        raise UnsupportedDtype(
+            f"tensor {name!r} has dtype {arr.dtype}, which ortq cannot carry; supported: {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+    # copy=False: an array already in wire layout is written straight from its own buffer.
+    return arr.astype(wire, order="C", copy=False)
+
+
+def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | None = None) -> bytes:
+    """A request frame for ``inputs`` (anything np.asarray accepts) and msgpack-able ``options``."""
+    opts = dict(options or {})
+    if not all(isinstance(key, str) for key in opts):
+        raise InvalidInput("option names must be strings")
+    return _encode({"kind": "request", "inputs": inputs, "options": opts}, "inputs")
+
+
+def encode_response(outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None) -> bytes:
+    """A successful response frame carrying ``outputs`` and per-stage ``timings`` in seconds."""
+    return _encode({"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}, "outputs")
+
+
+def encode_error(error_type: str, message: str, timings: Mapping[str, float] | None = None) -> bytes:
+    """A failed response frame; very long messages are cut so the frame always fits the header limit."""
+    if len(message) > _MAX_ERROR_MESSAGE_CHARS:
+        message = message[:_MAX_ERROR_MESSAGE_CHARS] + " [truncated]"
+    error = {"type": error_type[:256], "message": message}
+    return _encode({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, None)
+
+
+def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Request:
+    """The request in ``frame``; raises WireFormatError (PayloadTooLarge over ``max_bytes``)."""
+    header, data = _parse(frame, max_bytes, "request")
+    options = header.get("options", {})
+    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
+        raise WireFormatError("header 'options' must be a map with string keys")
+    return Request(inputs=_read_tensors(header, "inputs", data), options=options)
+
+
+def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Response:
+    """The response in ``frame``; raises WireFormatError (PayloadTooLarge over ``max_bytes``)."""
+    header, data = _parse(frame, max_bytes, "response")
+    timings = header.get("timings", {})
+    if not isinstance(timings, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timings.items()):
+        raise WireFormatError("header 'timings' must be a map of string to number")
+    ok = header.get("ok")
+    if ok is True:
+        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings))
+    if ok is not False:
+        raise WireFormatError(f"header 'ok' must be true or false, got {_short(ok)}")
+    error = header.get("error")
+    if not isinstance(error, dict) or not all(isinstance(error.get(k), str) for k in ("type", "message")):
+        raise WireFormatError("a failed response needs 'error': {'type': str, 'message': str}")
+    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings))
+
+
+def _encode(body: dict[str, Any], tensor_key: str | None) -> bytes:
+    """The frame for header ``body``, whose ``tensor_key`` entry (arrays by name) becomes descriptors."""
+    chunks: list[bytes | memoryview] = []
+    if tensor_key is not None:
+        body[tensor_key], chunks = _write_tensors(body[tensor_key])
+    try:
+        header = msgpack.packb({"v": WIRE_VERSION, **body}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # options msgpack cannot represent
+        raise InvalidInput(f"header cannot be encoded as msgpack: {exc}") from exc
+    if len(header) > MAX_HEADER_BYTES:
+        raise PayloadTooLarge(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
+    pad = -(_PREFIX.size + len(header)) % _ALIGN
+    return b"".join([_PREFIX.pack(MAGIC, len(header)) + header, _ZEROS[:pad], *chunks])
+
+
+def _write_tensors(
+    tensors: Mapping[str, object],
+) -> tuple[dict[str, dict[str, Any]], list[bytes | memoryview]]:
+    """Descriptors and data chunks (8-aligned, in map order) for ``tensors``; no tensor data is copied."""
+    descriptors: dict[str, dict[str, Any]] = {}
+    chunks: list[bytes | memoryview] = []
+    offset = 0
+    for name, value in tensors.items():
+        arr = as_wire_array(name, value)
+        pad = -offset % _ALIGN
+        if pad:
+            chunks.append(_ZEROS[:pad])
+            offset += pad
+        descriptors[name] = {
+            "dtype": dtype_name(arr.dtype),
+            "shape": list(arr.shape),
+            "offset": offset,
+            "nbytes": arr.nbytes,
+        }
+        if arr.nbytes:
+            chunks.append(arr.data)  # a memoryview of the array's own buffer
+            offset += arr.nbytes
+    return descriptors, chunks
+
+
+def _parse(frame: bytes | bytearray | memoryview, max_bytes: int, kind: str) -> tuple[dict[str, Any], memoryview]:
+    """The validated header map and the data section of ``frame``, which must be of ``kind``."""
+    try:
+        view = memoryview(frame).cast("B")
+    except TypeError:  # not a buffer (a str from a decode_responses=True client) or not contiguous
+        _fail(f"a frame must be a contiguous bytes-like object, got {type(frame).__name__}")
+    if view.nbytes > max_bytes:
+        raise PayloadTooLarge(f"frame is {view.nbytes} bytes; the limit is {max_bytes}")
+    if view[:4] != MAGIC[: len(view[:4])]:
+        _fail("not an ortq frame (bad magic)")
+    if view.nbytes < _PREFIX.size:
+        _fail(f"truncated frame: {view.nbytes} bytes, shorter than the 8-byte prefix")
+    size = _PREFIX.unpack_from(view)[1]
+    data_start = _PREFIX.size + size + (-(_PREFIX.size + size) % _ALIGN)
+    if data_start > view.nbytes:
+        _fail(f"truncated frame: header length {size} needs {data_start} bytes, frame has {view.nbytes}")
+    if size > MAX_HEADER_BYTES:
+        raise PayloadTooLarge(f"frame header is {size} bytes; the limit is {MAX_HEADER_BYTES}")
+    header = _unpack_header(view[_PREFIX.size : _PREFIX.size + size])
+    version = header.get("v")
+    if version != WIRE_VERSION or not _is_int(version):
+        _fail(f"unsupported wire version {_short(version)}; this decoder supports version {WIRE_VERSION}")
+    if header.get("kind") != kind:
+        _fail(f"expected a {kind} frame, got kind {_short(header.get('kind'))}")
+    return header, view[data_start:]
+
+
+def _unpack_header(raw: memoryview) -> dict[str, Any]:
+    """The header map; every msgpack failure becomes a WireFormatError."""
+    size = len(raw)
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            # No container or string can hold more items or bytes than the header has bytes.
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size // 2,
+            # The format has no extension types; max_ext_len=0 also stops msgpack's Timestamp.
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+            object_pairs_hook=_map_without_duplicates,
+        )
+    except msgpack.ExtraData:
+        _fail("header holds more than one msgpack object")
+    except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, UnicodeDecodeError...
+        # unpackb reports running out of data only through this message; anything else is garbage.
+        if "incomplete input" in str(exc):
+            _fail("truncated header: msgpack data ends early")
+        _fail(f"header is not valid msgpack: {type(exc).__name__}: {str(exc)[:120]}")
+    if not isinstance(header, dict):
+        _fail(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def _read_tensors(header: dict[str, Any], key: str, data: memoryview) -> dict[str, NDArray[Any]]:
+    """Zero-copy views into ``data`` for the descriptor map ``header[key]``, each fully validated."""
+    descriptors = header.get(key)
+    if not isinstance(descriptors, dict):
+        _fail(f"header {key!r} must be a map of tensor descriptors, got {type(descriptors).__name__}")
+    arrays: dict[str, NDArray[Any]] = {}
+    for name, desc in descriptors.items():
+        where = f"tensor {_short(name)} in {key!r}"
+        if not isinstance(name, str) or not name:
+            _fail(f"{where}: tensor names must be non-empty strings")
+        if not isinstance(desc, dict):
+            _fail(f"{where}: descriptor must be a map, got {type(desc).__name__}")
+        dtype, shape, offset, nbytes = (desc.get(k) for k in ("dtype", "shape", "offset", "nbytes"))
+        if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
+            _fail(f"{where}: dtype {_short(dtype)} is not one of {', '.join(SUPPORTED_DTYPES)}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            _fail(f"{where}: shape must be a list of at most {MAX_DIMS} dims, got {_short(shape)}")
+        if not all(_is_int(d) and d >= 0 for d in shape):
+            _fail(f"{where}: shape entries must be non-negative integers, got {_short(shape)}")
+        if not _is_int(offset) or not _is_int(nbytes) or offset < 0:
+            _fail(f"{where}: offset and nbytes must be integers, offset >= 0")
+        wire = _WIRE_DTYPES[dtype]
+        count = prod(shape)  # Python ints: a hostile shape cannot overflow
+        if count * wire.itemsize != nbytes:
+            needed = count * wire.itemsize
+            _fail(f"{where}: declared shape {_short(shape)} needs {needed} bytes but nbytes is {nbytes}")
+        # numpy refuses shapes whose non-zero dims multiply past the address space, even when empty.
+        if prod(max(d, 1) for d in shape) * wire.itemsize > sys.maxsize:
+            _fail(f"{where}: shape {_short(shape)} is too large")
+        if offset + nbytes > len(data):
+            _fail(f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)")
+        arrays[name] = np.frombuffer(data, dtype=wire, count=count, offset=offset).reshape(shape)
+    return arrays
+
+
+def _timings(timings: Mapping[str, float] | None) -> dict[str, float]:
+    """Timings as the plain str -> float map the header carries."""
+    return {str(k): float(v) for k, v in (timings or {}).items()}
+
+
+def _float_map(values: dict[str, int | float]) -> dict[str, float]:
+    """Decoded timings as floats; other encoders may write whole seconds as msgpack ints."""
+    return {k: float(v) for k, v in values.items()}
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """An integer that is not a bool (msgpack true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A msgpack int or float, bools excluded."""
+    return _is_int(value) or isinstance(value, float)
+
+
+def _map_without_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """object_pairs_hook for headers: a repeated key would let two decoders see different tensors."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("a header map repeats a key")
+    return result
+
+
+def _reject_ext(code: int, data: bytes) -> NoReturn:
+    """ext_hook for headers: the format defines no msgpack extension types."""
+    raise ValueError(f"msgpack extension type {code} is not allowed in a header")
+
+
+def _short(value: object) -> str:
+    """repr of attacker-controlled ``value``, cut so error messages and logs stay small."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(message: str) -> NoReturn:
+    """Raise WireFormatError; a function so every validation branch is one line."""
+    raise WireFormatError(message)

@@ -1,0 +1,108 @@
+"""How a worker starts and stops: provider strictness, DML options, runtime conflicts, signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+import redis
+
+from ortq import keys
+from ortq.errors import ProviderUnavailable
+from ortq.worker.runtime import check_single_runtime, installed_runtimes
+from ortq.worker.session import SessionPlan, load_model
+from tests.conftest import REPO, WorkerProcesses
+
+
+def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ortq", "worker", *args], check=False, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=env,
+    )  # fmt: skip
+
+
+def test_cuda_without_cuda_refuses_to_start(tiny_path: Path, redis_url: str, model_name: str) -> None:
+    # This machine's onnxruntime is the CPU build: a CUDA session would silently be a CPU one.
+    assert "CUDAExecutionProvider" not in ort.get_available_providers()
+    done = run_worker("--model", str(tiny_path), "--name", model_name, "--provider", "cuda", "--redis-url", redis_url)
+    assert done.returncode == 2, done.stderr
+    assert "ProviderUnavailable" in done.stderr
+    assert "CUDAExecutionProvider" in done.stderr and "onnxruntime-gpu" in done.stderr
+    assert "--allow-cpu-fallback" in done.stderr
+
+
+def test_cuda_with_allow_cpu_fallback_runs_on_cpu_and_says_so(
+    tiny_path: Path, redis_url: str, model_name: str, workers: WorkerProcesses, connection: redis.Redis
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url, 1, "--provider", "cuda", "--allow-cpu-fallback")
+    [name] = [n.decode() for n in connection.smembers(keys.WORKERS_SET) if n.decode().startswith(model_name + ".")]
+    record = json.loads(connection.get(keys.worker_key(name)) or b"{}")
+    assert record["provider"] == "CPUExecutionProvider"
+    assert record["requested_provider"] == "cuda"
+    assert record["fell_back_to_cpu"] is True
+    assert "running on the CPU because --allow-cpu-fallback" in workers.logs()
+
+
+def test_dml_session_options_are_what_directml_requires() -> None:
+    plan = SessionPlan("dml", device_id=1, threads=None, allow_cpu_fallback=False)
+    options = plan.session_options(ort)
+    assert options.enable_mem_pattern is False
+    assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    assert plan.providers() == [("DmlExecutionProvider", {"device_id": "1"})]
+    # device_id is passed even for adapter 0: the default lookup can fall back silently.
+    assert SessionPlan("dml", 0, None, False).providers() == [("DmlExecutionProvider", {"device_id": "0"})]
+    assert SessionPlan("cuda", 3, None, False).providers() == [("CUDAExecutionProvider", {"device_id": "3"})]
+    cpu_options = SessionPlan("cpu", 0, 2, False).session_options(ort)
+    assert cpu_options.enable_mem_pattern is True  # only DML turns it off
+    assert cpu_options.intra_op_num_threads == 2
+
+
+def test_dml_on_a_cpu_build_names_the_package_to_install(tiny_path: Path) -> None:
+    with pytest.raises(ProviderUnavailable, match="onnxruntime-directml"):
+        load_model(tiny_path, SessionPlan("dml", 0, None, allow_cpu_fallback=False))
+
+
+def _fake_distribution(site: Path, name: str, version: str) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("onnxruntime/capi/_pybind_state.py,,\n")
+
+
+def test_two_onnxruntime_distributions_are_refused(tiny_path: Path, tmp_path: Path, model_name: str) -> None:
+    assert [name for name, _ in installed_runtimes()] == ["onnxruntime"]
+    check_single_runtime("cpu")
+    site = tmp_path / "site"
+    _fake_distribution(site, "onnxruntime-gpu", "1.31.1")
+    _fake_distribution(site, "onnxruntime-extensions", "0.14.0")  # ships no onnxruntime/capi: not a runtime
+    (site / "onnxruntime_extensions-0.14.0.dist-info" / "RECORD").write_text("onnxruntime_extensions/x.py,,\n")
+    env = {"PYTHONPATH": f"{site}:{REPO}", "PATH": "/usr/bin:/bin"}
+    done = run_worker("--model", str(tiny_path), "--name", model_name, "--provider", "cuda", env=env)
+    assert done.returncode == 2, done.stderr
+    assert "RuntimeConflict" in done.stderr
+    assert "onnxruntime-gpu 1.31.1" in done.stderr and "onnxruntime-extensions" not in done.stderr
+    assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu" in done.stderr
+
+
+def test_sigterm_finishes_and_unregisters(
+    tiny_path: Path, redis_url: str, model_name: str, workers: WorkerProcesses, connection: redis.Redis
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url)
+    process, _ = workers.processes[0]
+    names = [n.decode() for n in connection.smembers(keys.WORKERS_SET) if n.decode().startswith(model_name + ".")]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0, workers.logs()
+    assert connection.get(keys.worker_key(names[0])) is None
+    assert names[0].encode() not in connection.smembers(keys.WORKERS_SET)
+    assert connection.hget(f"rq:worker:{names[0]}", "death") is not None  # RQ saw a clean death too
+
+
+def test_missing_model_file_is_a_clear_error(redis_url: str, model_name: str, tmp_path: Path) -> None:
+    done = run_worker("--model", str(tmp_path / "nope.onnx"), "--name", model_name, "--redis-url", redis_url)
+    assert done.returncode == 2
+    assert "ModelLoadError" in done.stderr and "nope.onnx" in done.stderr

@@ -1,15 +1,12 @@
 """The RQ worker that owns one ONNX Runtime session and runs ortq jobs on it.
 
 It is an RQ ``SimpleWorker`` (no fork, so the session lives as long as the process), so
-RQ's registries, statuses, worker records and maintenance stay true; what it replaces is
-the per-job path. RQ's own path costs ~20 round trips and two zlib passes per job; this
-one costs three pipelines after the dequeue:
-
-1. start: GET the request frame + RQ's "started" bookkeeping (execution, registry, status);
-2. reply: RPUSH the response frame to the job's reply list, which the producer is blocked on;
-3. finish: RQ's "finished"/"failed" bookkeeping and deletion of the request frame.
-
-The reply goes out before RQ's bookkeeping so that a producer's latency does not include it.
+RQ's registries, statuses, worker records, maintenance and failure handling stay RQ's; what
+it replaces is the per-job path. RQ's costs ~20 round trips and two zlib passes per job;
+this one costs three: the dequeue (BLMOVE, as RQ), then bookkeeping.py's ``start`` script
+(RQ's "started" writes + the job hash + the request frame) and, after ``session.run``, its
+``finish`` script, which pushes the reply before RQ's "finished" writes. Failed jobs go
+through RQ's own ``handle_job_failure``, after their error reply.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -34,6 +33,7 @@ from ortq.errors import OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
+from ortq.worker.bookkeeping import Bookkeeping, StartedJob
 from ortq.worker.session import LoadedModel
 
 log = logging.getLogger("ortq.worker")
@@ -94,7 +94,10 @@ class OrtqWorker(SimpleWorker):
         self.model = model
         self.identity = identity
         self.settings = settings
+        self.bookkeeping = Bookkeeping(connection, self.name, queue.name, DEFAULT_WORKER_TTL + 60)
+        self._started: StartedJob
         self._last_beat = 0.0
+        self._last_suspension_check = 0.0
         self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
 
     # ----------------------------------------------------------- records ortq publishes
@@ -192,27 +195,75 @@ class OrtqWorker(SimpleWorker):
 
     # ----------------------------------------------------------- the per-job path
 
+    def check_for_suspension(self, burst: bool) -> None:
+        # RQ asks Redis before every job; once a second is enough for `rq suspend` to take effect.
+        if time.monotonic() - self._last_suspension_check >= 1.0:
+            self._last_suspension_check = time.monotonic()
+            super().check_for_suspension(burst)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[OrtqJob, Queue] | None:
+        """Take the next job (BLMOVE into RQ's intermediate list, as RQ does) and start it.
+
+        Returns None when ``timeout`` (or ``max_idle_time``) passes with nothing to do, or at
+        once in burst mode (``timeout`` None) when the queue is empty.
+        """
+        queue = self.queues[0]
+        self.set_state(WorkerStatus.IDLE)
+        block = timeout if max_idle_time is None else min(timeout or max_idle_time, max_idle_time)
+        backoff = 1.0
+        while True:
+            try:
+                self.heartbeat()
+                if self.should_run_maintenance_tasks:
+                    self.run_maintenance_tasks()
+                if block is None:
+                    raw_id = self.connection.lmove(queue.key, queue.intermediate_queue_key)
+                else:
+                    raw_id = self.connection.blmove(queue.key, queue.intermediate_queue_key, block)
+                if raw_id is None:
+                    return None
+                job = self._start(keys.as_text(raw_id))
+                if job is not None:
+                    return job, queue
+                # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
+            except redis.ConnectionError as exc:
+                log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 60.0)
+
+    def _start(self, job_id: str) -> OrtqJob | None:
+        started = self.bookkeeping.start(job_id)
+        if started is None:
+            return None
+        job = OrtqJob(id=job_id, connection=self.connection, serializer=MsgpackSerializer)
+        job.restore(started.job_hash)
+        self._started = started
+        # What RQ keeps in memory about a job it has started, for its failure path.
+        self.execution = Execution(started.execution_id, job_id, self.connection, worker_name=self.name)
+        self.execution.created_at = started.started_at
+        self._state = WorkerStatus.BUSY
+        return job
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         assert isinstance(job, OrtqJob)  # this worker's job_class: see __init__
-        reason = job.forbidden_reason()
-        if reason is not None:
-            log.error("refusing job %s: %s", job.id, reason)
-            self._fail_unstarted(job, queue, UnknownJobFunction(reason))
-            return
-
-        frame = self._start(job, queue)
-        started = time.time()
+        started = self._started
         timings: dict[str, float] = {}
         if job.enqueued_at is not None:
-            timings["queue"] = max(0.0, started - job.enqueued_at.timestamp())
+            timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
         try:
-            if frame is None:
+            reason = job.forbidden_reason()
+            if reason is not None:
+                log.error("refusing job %s: %s", job.id, reason)
+                raise UnknownJobFunction(reason)
+            if started.frame is None:
                 raise RequestExpired(
                     f"the request tensors of job {job.id} were gone when a worker took it "
                     "(its ttl passed, or they were deleted)"
                 )
             t0 = time.perf_counter()
-            request = wire.decode_request(frame, max_bytes=self.settings.max_frame_bytes)
+            request = wire.decode_request(started.frame, max_bytes=self.settings.max_frame_bytes)
             self.model.signature.check_inputs(request.inputs)
             t1 = time.perf_counter()
             outputs = self.model.run(request.inputs)
@@ -221,90 +272,44 @@ class OrtqWorker(SimpleWorker):
             response = wire.encode_response(outputs, timings)
             timings["encode"] = time.perf_counter() - t2
         except Exception as exc:
-            self._fail_started(job, queue, exc, timings)
+            self._fail(job, queue, exc, timings)
             return
-        result_ttl = self.settings.result_ttl if job.result_ttl is None else job.result_ttl
-        self._reply(job, response, result_ttl, JobStatus.FINISHED)
-        self._finish(job, queue, outputs, timings)
-
-    def _start(self, job: OrtqJob, queue: Queue) -> bytes | None:
-        """Mark the job started (what RQ's prepare_execution + prepare_job_execution write) and
-        fetch its request frame, in one round trip."""
-        ttl = self.get_heartbeat_ttl(job)
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.get(keys.request_key(job.id))
-            self.execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            self.set_current_job_id(job.id, pipeline=pipe)
-            self.set_current_job_working_time(0, pipeline=pipe)
-            super().heartbeat(ttl, pipeline=pipe)
-            job.prepare_for_execution(self.name, pipeline=pipe)
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            frame: bytes | None = pipe.execute()[0]
-        return frame
-
-    def _reply(self, job: OrtqJob, frame: bytes, ttl: int, status: JobStatus) -> None:
-        """Push the response; the job's status changes with it, so that no reader who has seen
-        the response is told the job is still running while RQ's bookkeeping follows."""
-        key = keys.reply_key(job.id)
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(key)  # a job is answered once, even if it ran twice
-            pipe.rpush(key, frame)
-            pipe.expire(key, max(1, ttl))
-            pipe.hset(job.key, "status", status.value)
-            pipe.execute()
-
-    def _finish(self, job: OrtqJob, queue: Queue, outputs: dict[str, Any], timings: dict[str, float]) -> None:
-        """RQ's success bookkeeping (what handle_job_success writes) in one round trip."""
-        job.ended_at = now()
-        assert job.started_at is not None  # set by _start
-        job._result = {
+        summary = {
             "reply_key": keys.reply_key(job.id),
             "outputs": {name: [str(value.dtype), list(value.shape)] for name, value in outputs.items()},
             "timings": timings,
         }
-        result_ttl = job.get_result_ttl(self.settings.result_ttl)
-        execution = self.execution
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(keys.request_key(job.id))
-            self.increment_successful_job_count(pipeline=pipe)
-            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
-            job._handle_success(
-                result_ttl,
-                pipeline=pipe,
-                worker_name=self.name,
-                execution_id=execution.id if execution else None,
-                execution_started_at=execution.created_at if execution else None,
-                execution_ended_at=job.ended_at,
-            )
-            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-            self.cleanup_execution(job, pipeline=pipe)
-            self.set_state(WorkerStatus.IDLE, pipeline=pipe)
-            pipe.execute()
-        log.debug("job %s finished in %.1f ms", job.id, 1000 * sum(timings.values()))
+        self.bookkeeping.finish(job.id, started, response, self._ttl(job.result_ttl, self.settings.result_ttl), summary)
+        self.execution = None
+        self._state = WorkerStatus.IDLE
 
-    def _fail_started(self, job: OrtqJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
+    @staticmethod
+    def _ttl(from_job: int | None, default: int) -> int:
+        """The job's own result/failure ttl when it is a positive number of seconds, else ortq's."""
+        return from_job if from_job is not None and from_job > 0 else default
+
+    def _reply_failure(self, job: OrtqJob, frame: bytes) -> None:
+        """Push the error response; the job's status changes with it, so that no reader who has
+        seen the response is told the job is still running while RQ's bookkeeping follows."""
+        key = keys.reply_key(job.id)
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.delete(key)  # a job is answered once
+            pipe.rpush(key, frame)
+            pipe.expire(key, self._ttl(job.failure_ttl, self.settings.failure_ttl))
+            pipe.hset(job.key, "status", JobStatus.FAILED.value)
+            pipe.delete(keys.request_key(job.id))
+            pipe.execute()
+
+    def _fail(self, job: OrtqJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
+        """Fail a started job through RQ's own failure path (failed registry, retries)."""
         error_type = type(exc).__name__
         message = str(exc) or error_type
         job.ended_at = now()
-        permanent = isinstance(exc, OrtqError) or error_type in _PERMANENT_ERRORS
-        if permanent:
-            job.retries_left = None  # the input itself is wrong: another attempt would fail the same way
+        if isinstance(exc, OrtqError) or error_type in _PERMANENT_ERRORS:
+            job.retries_left = None  # the job itself is wrong: another attempt would fail the same way
         will_retry = bool(job.should_retry)
         log.warning("job %s failed%s: %s: %s", job.id, " (will retry)" if will_retry else "", error_type, message)
         if not will_retry:
-            ttl = job.failure_ttl or self.settings.failure_ttl
-            self._reply(job, wire.encode_error(error_type, message, timings), ttl, JobStatus.FAILED)
-            self.connection.delete(keys.request_key(job.id))
+            self._reply_failure(job, wire.encode_error(error_type, message, timings))
         self.handle_job_failure(job, queue, exc_string=f"{error_type}: {message}")
         self.set_state(WorkerStatus.IDLE)
-
-    def _fail_unstarted(self, job: OrtqJob, queue: Queue, exc: OrtqError) -> None:
-        """Fail a job that was refused before anything of it ran (it names a foreign callable)."""
-        job.retries_left = None
-        ttl = job.failure_ttl or self.settings.failure_ttl
-        self._reply(job, wire.encode_error(type(exc).__name__, str(exc)), ttl, JobStatus.FAILED)
-        job.ended_at = now()
-        self.connection.delete(keys.request_key(job.id))
-        self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
-        self.handle_job_failure(job, queue, exc_string=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,133 @@
+"""What ortq's lean per-job path writes is what RQ itself writes and reads.
+
+The worker does RQ's "started" and "finished" writes in two Lua scripts (bookkeeping.py);
+these tests read the result back through RQ's own APIs, and compare it field by field with
+what RQ's own SimpleWorker writes for a job it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+from rq import Queue, SimpleWorker
+from rq.job import JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+
+from ortq import keys
+from ortq.producer import Producer
+from ortq.rqjob import OrtqJob
+from ortq.serializer import MsgpackSerializer
+from tests import onnx_models
+from tests.conftest import WorkerProcesses, eventually
+
+
+def echo(value: int) -> dict[str, int]:
+    """A plain RQ job for the reference run."""
+    return {"value": value}
+
+
+def nonempty_fields(connection: redis.Redis, key: str) -> set[str]:
+    return {k.decode() for k, v in connection.hgetall(key).items() if v not in (b"", None)}
+
+
+def result_fields(connection: redis.Redis, job_id: str) -> set[str]:
+    [(_, entry)] = connection.xrange(f"rq:results:{job_id}")
+    return {k.decode() for k in entry}
+
+
+def test_finished_job_reads_back_through_rq(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    workers.serve(tiny_path, model_name, redis_url)
+    job = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
+    job.result(timeout=20)
+    queue = keys.queue_name(model_name)
+    eventually(lambda: job.id in FinishedJobRegistry(queue, connection=connection).get_job_ids())
+
+    rq_job = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer)
+    assert rq_job.get_status() == JobStatus.FINISHED
+    assert rq_job.started_at is not None and rq_job.ended_at is not None
+    assert rq_job.ended_at >= rq_job.started_at
+    assert rq_job.worker_name and rq_job.worker_name.startswith(model_name + ".")
+    assert rq_job.func_name == keys.JOB_FUNC and rq_job.args == [model_name]
+
+    result = rq_job.latest_result()
+    assert result is not None and result.type == Result.Type.SUCCESSFUL
+    assert result.return_value["reply_key"] == keys.reply_key(job.id)
+    assert result.return_value["outputs"] == {"y": ["float32", [1, 4]]}
+    assert result.execution_id
+
+    assert StartedJobRegistry(queue, connection=connection).get_job_ids() == []
+    assert connection.zcard(f"rq:executions:{job.id}") == 0
+    assert not connection.keys(f"rq:execution:{job.id}:*")
+    assert 0 < connection.ttl(keys.job_key(job.id)) <= producer.settings.result_ttl
+    [worker] = [w for w in SimpleWorker.all(connection=connection, serializer=MsgpackSerializer)
+                if w.name == rq_job.worker_name]  # fmt: skip
+    assert worker.successful_job_count == 1 and worker.get_state() == "idle"
+    assert worker.get_current_job_id() is None
+
+
+def test_a_running_job_is_started_in_rq(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    slow = onnx_models.slow_model(models_dir / "slow.onnx", onnx_models.SLOW_MODEL_LOOPS)
+    workers.serve(slow, model_name, redis_url)
+    job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
+    queue = keys.queue_name(model_name)
+    eventually(lambda: job.status() == "started")
+    assert StartedJobRegistry(queue, connection=connection).get_job_ids() == [job.id]
+    [execution] = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer).get_executions()
+    worker_name = execution.worker_name
+    assert connection.hget(f"rq:worker:{worker_name}", "state") == b"busy"
+    assert connection.hget(f"rq:worker:{worker_name}", "current_job") == job.id.encode()
+    job.result(timeout=60)
+    eventually(lambda: StartedJobRegistry(queue, connection=connection).get_job_ids() == [])
+
+
+def test_failed_job_reads_back_through_rq(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, connection: redis.Redis
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url)
+    unchecked = Producer(redis_url, validate=False)
+    job = unchecked.submit(model_name, {"x": np.ones((1, 5), np.float32)})
+    queue = keys.queue_name(model_name)
+    eventually(lambda: job.id in FailedJobRegistry(queue, connection=connection).get_job_ids())
+    rq_job = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer)
+    assert rq_job.get_status() == JobStatus.FAILED
+    result = rq_job.latest_result()
+    assert result is not None and result.type == Result.Type.FAILED
+    assert "InvalidInput" in (result.exc_string or "")
+    assert StartedJobRegistry(queue, connection=connection).get_job_ids() == []
+
+
+def test_same_fields_as_rq_own_worker(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    # Reference: a job RQ enqueues and RQ's own SimpleWorker runs, with ortq's serializer.
+    reference_queue = Queue(f"ref-{model_name}", connection=connection, serializer=MsgpackSerializer)
+    reference = reference_queue.enqueue(echo, 3, result_ttl=600, failure_ttl=600)
+    SimpleWorker([reference_queue], connection=connection, serializer=MsgpackSerializer).work(burst=True)
+    assert reference.get_status(refresh=True) == JobStatus.FINISHED
+
+    workers.serve(tiny_path, model_name, redis_url)
+    job = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
+    job.result(timeout=20)
+    eventually(lambda: connection.exists(f"rq:results:{job.id}") == 1)
+    time.sleep(0.1)
+
+    ours = nonempty_fields(connection, keys.job_key(job.id))
+    # RQ's enqueue writes its default 180 s `timeout`; an ortq job has one only when given.
+    theirs = nonempty_fields(connection, keys.job_key(reference.id)) - {"timeout"}
+    assert ours == theirs, ours ^ theirs
+    assert result_fields(connection, job.id) == result_fields(connection, reference.id)
+    for registry in ("rq:finished:{}", "rq:wip:{}", "rq:failed:{}"):
+        ours_in = connection.zscore(registry.format(keys.queue_name(model_name)), job.id) is not None
+        theirs_in = connection.zscore(registry.format(reference_queue.name), reference.id) is not None
+        assert ours_in == theirs_in, registry

@@ -41,8 +41,11 @@ def main(verbose: bool) -> None:
 
 \b
   ortq worker --model model.onnx --name resnet --provider cpu
-  ortq worker --model model.onnx --name resnet --provider dml --device-id 1
-  ortq worker --model model.onnx --name resnet --provider cuda --allow-cpu-fallback
+  ortq worker --model model.onnx --name resnet --provider dml --adapter discrete
+  ortq worker --model model.onnx --name resnet --provider dml --adapter "name:Radeon"
+  ortq worker --model model.onnx --name resnet --provider dml --adapter luid:0x000000000001a2b3
+  ortq worker --model model.onnx --name resnet --provider cuda --adapter uuid:GPU-5f3c
+  ortq worker --model model.onnx --name resnet --provider auto --policy max-efficiency
 """
 )
 @click.option(
@@ -55,22 +58,35 @@ def main(verbose: bool) -> None:
 @click.option("--name", "model_name", required=True, help="Model name; the queue is ortq:<name>.")
 @click.option(
     "--provider",
-    type=click.Choice(["dml", "cuda", "cpu"]),
+    type=click.Choice(["dml", "cuda", "cpu", "auto"]),
     default="cpu",
     show_default=True,
-    help="Execution provider: DirectML (Windows), CUDA (NVIDIA) or the CPU.",
+    help="DirectML (Windows), CUDA (NVIDIA), the CPU, or ONNX Runtime's choice by --policy (onnxruntime >= 1.23).",
 )
 @click.option(
-    "--device-id",
-    type=click.IntRange(min=0),
-    default=0,
+    "--adapter",
+    default=None,
+    metavar="SPEC",
+    help="Which GPU: an index, luid:..., uuid:..., name:SUBSTRING, discrete, integrated, high-performance "
+    "or minimum-power (see `ortq adapters`). Resolved at every start. Default: index 0.",
+)
+@click.option("--device-id", type=click.IntRange(min=0), default=None, help="Same as --adapter N.")
+@click.option(
+    "--policy",
+    type=click.Choice(["prefer-gpu", "max-performance", "max-efficiency", "min-overall-power"]),
+    default="prefer-gpu",
     show_default=True,
-    help="Adapter index the provider takes (DXGI order for dml, CUDA order for cuda).",
+    help="ONNX Runtime's device-selection policy, for --provider auto.",
 )
 @click.option(
     "--allow-cpu-fallback",
     is_flag=True,
     help="Run on the CPU if the provider cannot start, instead of refusing to start.",
+)
+@click.option(
+    "--skip-canary",
+    is_flag=True,
+    help="Do not compare the provider's warm-up output with the CPU's before serving (unsafe).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
@@ -80,27 +96,49 @@ def worker(
     model_path: Path,
     model_name: str,
     provider: str,
-    device_id: int,
+    adapter: str | None,
+    device_id: int | None,
+    policy: str,
     allow_cpu_fallback: bool,
+    skip_canary: bool,
     threads: int | None,
     burst: bool,
     worker_name: str | None,
     redis_url: str | None,
 ) -> None:
-    """Serve one model: one process, one ONNX Runtime session, one queue."""
+    """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
     from ortq.worker.serve import WorkerConfig, serve
 
+    if adapter is not None and device_id is not None:
+        raise click.UsageError("give --adapter or --device-id, not both")
     config = WorkerConfig(
         model_path=model_path,
         model_name=model_name,
         provider=provider,
-        device_id=device_id,
+        adapter=str(device_id) if device_id is not None else adapter,
+        policy=policy,
         allow_cpu_fallback=allow_cpu_fallback,
+        skip_canary=skip_canary,
         threads=threads,
         burst=burst,
         worker_name=worker_name,
     )
     serve(config, _settings(redis_url))
+
+
+@main.command(epilog="Examples:\n\n\b\n  ortq adapters\n  ortq adapters --json")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def adapters(as_json: bool) -> None:
+    """List the adapters a worker could use, with the index each provider takes."""
+    from ortq.worker.adapters import enumerate_adapters, format_table
+
+    found, notes = enumerate_adapters()
+    if as_json:
+        click.echo(json.dumps([a.to_json() for a in found], indent=2))
+        return
+    click.echo(format_table(found))
+    for note in notes:
+        click.echo(f"note: {note}")
 
 
 def _parse_input(spec: str) -> tuple[str, np.ndarray]:

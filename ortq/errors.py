@@ -66,6 +66,18 @@ class ProviderUnavailable(OrtqError):
     """The requested execution provider could not be created, and falling back to the CPU was not allowed."""
 
 
+class AdapterNotFound(ConfigurationError):
+    """No adapter of the requested provider matches the ``--adapter`` spec; the message lists them all."""
+
+
+class AmbiguousAdapter(ConfigurationError):
+    """Several adapters match the ``--adapter`` spec; the message lists them all."""
+
+
+class CanaryMismatch(OrtqError):
+    """The chosen provider's output on the warm-up input differs from the CPU's: it would serve wrong answers."""
+
+
 class RuntimeConflict(OrtqError):
     """More than one ONNX Runtime distribution is installed; they overwrite each other's ``onnxruntime``."""
 

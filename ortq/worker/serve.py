@@ -1,20 +1,38 @@
-"""Starting a worker: check the runtime, create the session, warm up, then serve the queue."""
+"""Starting a worker: check the runtime, resolve the adapter, create the session, warm up,
+compare with the CPU, then serve the queue."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ortq import keys
-from ortq.errors import ConfigurationError
+from ortq.errors import AdapterNotFound, ConfigurationError
 from ortq.settings import Settings
-from ortq.worker.session import EXECUTION_PROVIDERS, LoadedModel, SessionPlan, load_model, warm_up
+from ortq.worker.adapters import (
+    PREFERENCES,
+    enumerate_adapters,
+    select_adapter,
+    unenumerated_dml_options,
+)
+from ortq.worker.session import (
+    AUTO_POLICIES,
+    EXECUTION_PROVIDERS,
+    LoadedModel,
+    SessionPlan,
+    canary,
+    load_model,
+    warm_up,
+)
 from ortq.worker.worker import OrtqWorker, WorkerIdentity
 
 log = logging.getLogger("ortq.worker")
+
+PROVIDER_CHOICES = (*EXECUTION_PROVIDERS, "auto")
 
 
 @dataclass(frozen=True)
@@ -24,33 +42,59 @@ class WorkerConfig:
     model_path: Path
     model_name: str
     provider: str = "cpu"
-    device_id: int = 0
+    #: Which adapter (see ortq.worker.adapters.select_adapter); None means adapter index 0.
+    adapter: str | None = None
     allow_cpu_fallback: bool = False
+    policy: str = "prefer-gpu"
     threads: int | None = None
     burst: bool = False
     worker_name: str | None = None
+    skip_canary: bool = False
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
-        if self.provider not in EXECUTION_PROVIDERS:
-            raise ConfigurationError(
-                f"unknown provider {self.provider!r}; choose one of {', '.join(EXECUTION_PROVIDERS)}"
-            )
-        if self.device_id < 0:
-            raise ConfigurationError(f"device id must be >= 0, got {self.device_id}")
+        if self.provider not in PROVIDER_CHOICES:
+            raise ConfigurationError(f"unknown provider {self.provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
+        if self.policy not in AUTO_POLICIES:
+            raise ConfigurationError(f"unknown policy {self.policy!r}; choose one of {', '.join(AUTO_POLICIES)}")
+        if self.adapter is not None and self.provider in ("cpu", "auto"):
+            raise ConfigurationError(f"--adapter does not apply to --provider {self.provider}")
         if self.threads is not None and self.threads < 1:
             raise ConfigurationError(f"threads must be >= 1, got {self.threads}")
-
-    def plan(self) -> SessionPlan:
-        return SessionPlan(self.provider, self.device_id, self.threads, self.allow_cpu_fallback)
 
     def default_worker_name(self) -> str:
         return f"{self.model_name}.{socket.gethostname()}.{os.getpid()}"
 
 
+def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | None]:
+    """The session plan and the resolved adapter's record, from a fresh enumeration."""
+    base = SessionPlan(config.provider, None, config.threads, config.allow_cpu_fallback, policy=config.policy)
+    if config.provider in ("cpu", "auto"):
+        return base, None
+    spec = config.adapter or "0"
+    adapters, notes = enumerate_adapters()
+    if any(a.provider == config.provider for a in adapters):
+        adapter = select_adapter(spec, adapters, config.provider)
+        log.info("adapter %r resolved to %s %d: %s", spec, adapter.provider, adapter.index, adapter.name)
+        return replace(base, device_id=adapter.index), adapter.to_json()
+    # Nothing to resolve against: say so, and only go on where that is still well defined.
+    why = "; ".join(notes)
+    if config.provider == "dml" and (options := unenumerated_dml_options(spec)) is not None:
+        log.warning("%s: DirectML itself chooses the adapter by %s", why, options["performance_preference"])
+        return replace(base, extra_options=tuple(options.items())), {"spec": spec, **options}
+    if spec.isdigit():
+        log.warning("%s: using adapter index %s unverified", why, spec)
+        return replace(base, device_id=int(spec)), {"spec": spec, "index": int(spec)}
+    hint = " (or one of: " + ", ".join(PREFERENCES) + ")" if config.provider == "dml" else ""
+    raise AdapterNotFound(f"cannot resolve --adapter {spec!r}: {why}; use an index{hint}")
+
+
 def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
-    """Create the session, warm it up and return a worker ready to ``work()``."""
-    model: LoadedModel = load_model(config.model_path, config.plan())
+    """Create the session, warm it up, check it against the CPU, and return a worker ready to ``work()``."""
+    # CUDA's default order is fastest-first; NVML's (and so `ortq adapters`') is PCI bus order.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    plan, adapter = resolve_plan(config)
+    model: LoadedModel = load_model(config.model_path, plan)
     seconds = warm_up(model)
     log.info(
         "model %s loaded on %s%s, warm-up run %.1f ms",
@@ -58,6 +102,9 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
         model.provider,
         " (CPU FALLBACK: the requested provider was unavailable)" if model.fell_back_to_cpu else "",
         seconds * 1000,
+    )
+    check = (
+        {"passed": True, "skipped": "--skip-canary"} if config.skip_canary else canary(model, config.model_path, plan)
     )
     identity = WorkerIdentity(
         model=config.model_name,
@@ -67,7 +114,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
         fell_back_to_cpu=model.fell_back_to_cpu,
         host=socket.gethostname(),
         pid=os.getpid(),
-        extra={"requested_provider": config.provider},
+        extra={"requested_provider": config.provider, "adapter": adapter, "canary": check},
     )
     return OrtqWorker(model, identity, settings, name=config.worker_name or config.default_worker_name())
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ortq.errors import ModelLoadError, ProviderUnavailable
+from ortq.errors import CanaryMismatch, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
 from ortq.worker.runtime import DISTRIBUTION_FOR_PROVIDER, import_onnxruntime
 
@@ -47,31 +47,58 @@ ORT_TENSOR_TYPES = {
 }
 
 
+#: ``--policy`` names for ``--provider auto`` and ONNX Runtime's device-selection policies.
+AUTO_POLICIES = {
+    "prefer-gpu": "PREFER_GPU",
+    "max-performance": "MAX_PERFORMANCE",
+    "max-efficiency": "MAX_EFFICIENCY",
+    "min-overall-power": "MIN_OVERALL_POWER",
+}
+
+
 @dataclass(frozen=True)
 class SessionPlan:
     """Everything needed to create the session, decided before ONNX Runtime is touched."""
 
-    provider: str  # "dml" | "cuda" | "cpu"
-    device_id: int
+    provider: str  # "dml" | "cuda" | "cpu" | "auto"
+    device_id: int | None
     threads: int | None
     allow_cpu_fallback: bool
+    #: More provider options: DML's performance_preference/device_filter when DXGI could not
+    #: enumerate adapters and DirectML chooses by preference (device_id is then None).
+    extra_options: tuple[tuple[str, str], ...] = ()
+    policy: str = "prefer-gpu"  # for provider "auto"
 
     def provider_options(self) -> dict[str, str]:
+        if self.provider in ("cpu", "auto"):
+            return {}
         # device_id is passed even when it is 0: without it DML's default adapter lookup
         # goes through dxcore, which can be missing and then quietly yields the CPU.
-        return {} if self.provider == "cpu" else {"device_id": str(self.device_id)}
+        options = {} if self.device_id is None else {"device_id": str(self.device_id)}
+        return {**options, **dict(self.extra_options)}
 
     def session_options(self, ort: Any) -> Any:
         options = ort.SessionOptions()
-        if self.provider == "dml":
+        # "auto" may land on DML, whose requirements are harmless elsewhere.
+        if self.provider in ("dml", "auto"):
             options.enable_mem_pattern = False
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         if self.threads:
             options.intra_op_num_threads = self.threads
+        if self.provider == "auto":
+            if not hasattr(options, "set_provider_selection_policy"):
+                raise ProviderUnavailable("--provider auto needs onnxruntime >= 1.23 (set_provider_selection_policy)")
+            policy = getattr(ort.OrtExecutionProviderDevicePolicy, AUTO_POLICIES[self.policy])
+            options.set_provider_selection_policy(policy)
         return options
 
-    def providers(self) -> list[tuple[str, dict[str, str]]]:
+    def providers(self) -> list[tuple[str, dict[str, str]]] | None:
+        if self.provider == "auto":
+            return None  # ONNX Runtime chooses, by the policy
         return [(EXECUTION_PROVIDERS[self.provider], self.provider_options())]
+
+    def cpu(self) -> SessionPlan:
+        return SessionPlan("cpu", None, self.threads, allow_cpu_fallback=False)
 
 
 @dataclass
@@ -123,6 +150,9 @@ def warmup_inputs(signature: ModelSignature, seed: int = 0) -> dict[str, np.ndar
 
 
 def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
+    if plan.provider == "auto":
+        devices = [f"{d.ep_name} ({d.device.type})" for d in ort.get_ep_devices()]
+        return f"--provider auto (policy {plan.policy}) chose the CPU; ONNX Runtime sees these devices: {devices}"
     wanted = EXECUTION_PROVIDERS[plan.provider]
     available = ort.get_available_providers()
     distribution = DISTRIBUTION_FOR_PROVIDER[plan.provider]
@@ -139,47 +169,54 @@ def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
     return f"{wanted} is installed but could not start on adapter {plan.device_id}: check the GPU driver (DirectX 12)"
 
 
+def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
+    """The session (or None) and, when it is None or on the wrong provider, why."""
+    named = plan.provider not in ("cpu", "auto")
+    if named and EXECUTION_PROVIDERS[plan.provider] not in ort.get_available_providers():
+        return None, _unavailable_reason(ort, plan)
+    try:
+        session = ort.InferenceSession(
+            str(model_path),
+            sess_options=plan.session_options(ort),
+            providers=plan.providers(),
+            enable_fallback=0,  # no silent retry on the CPU, neither at creation nor in run()
+        )
+    except ProviderUnavailable:
+        raise
+    except Exception as exc:  # ONNX Runtime raises its own exception types from C++
+        if plan.provider == "cpu":
+            raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
+        return None, f"{_unavailable_reason(ort, plan)} ({exc})"
+    actual = session.get_providers()[0]
+    if plan.provider == "auto":
+        return (session, "") if actual != "CPUExecutionProvider" else (None, _unavailable_reason(ort, plan))
+    wanted = EXECUTION_PROVIDERS[plan.provider]
+    if actual != wanted:
+        return None, f"ONNX Runtime created the session on {actual} instead of {wanted}: " + _unavailable_reason(
+            ort, plan
+        )
+    return session, ""
+
+
 def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
     """Create the session for ``plan`` and verify it really runs on the requested provider."""
-    ort = import_onnxruntime(plan.provider)
+    ort = import_onnxruntime("cpu" if plan.provider == "auto" else plan.provider)
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")
-    wanted = EXECUTION_PROVIDERS[plan.provider]
-    reason = ""
-    session = None
-    if plan.provider == "cpu" or wanted in ort.get_available_providers():
-        try:
-            session = ort.InferenceSession(
-                str(model_path),
-                sess_options=plan.session_options(ort),
-                providers=plan.providers(),
-                enable_fallback=0,  # no silent retry on the CPU, neither at creation nor in run()
-            )
-        except Exception as exc:  # ONNX Runtime raises its own exception types from C++
-            if plan.provider == "cpu":
-                raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
-            reason = f"{_unavailable_reason(ort, plan)} ({exc})"
-    if session is not None and session.get_providers()[0] != wanted:
-        reason = (
-            f"ONNX Runtime created the session on {session.get_providers()[0]} instead of {wanted}: "
-            + _unavailable_reason(ort, plan)
-        )
-        session = None
-    elif session is None and not reason:
-        reason = _unavailable_reason(ort, plan)
-
+    session, reason = _create(ort, model_path, plan)
     if session is None:
         if not plan.allow_cpu_fallback:
             raise ProviderUnavailable(f"{reason}. Pass --allow-cpu-fallback to run on the CPU instead.")
         log.warning("%s; running on the CPU because --allow-cpu-fallback was given", reason)
-        model = load_model(model_path, SessionPlan("cpu", 0, plan.threads, allow_cpu_fallback=False))
+        model = load_model(model_path, plan.cpu())
         model.fell_back_to_cpu = True
         return model
+    provider = session.get_providers()[0]
     return LoadedModel(
         session=session,
         signature=signature_of(session),
-        provider=wanted,
-        device_id=None if plan.provider == "cpu" else plan.device_id,
+        provider=provider,
+        device_id=plan.device_id if provider in ("DmlExecutionProvider", "CUDAExecutionProvider") else None,
         fell_back_to_cpu=False,
         output_names=[o.name for o in session.get_outputs()],
     )
@@ -194,3 +231,58 @@ def warm_up(model: LoadedModel) -> float:
     except Exception as exc:
         raise ModelLoadError(f"warm-up run failed on {model.provider}: {exc}") from exc
     return time.perf_counter() - started
+
+
+def _tolerance(dtype: np.dtype[Any]) -> tuple[float, float] | None:
+    """(rtol, atol relative to the output's scale) for comparing a GPU's output with the CPU's;
+    None for exact comparison. Loose enough for TF32 and fused kernels, tight enough that an
+    all-zero or garbage output fails."""
+    if dtype == np.float16:
+        return 5e-2, 1e-2
+    if dtype == np.float32:
+        return 1e-2, 1e-3
+    if dtype == np.float64:
+        return 1e-6, 1e-8
+    return None
+
+
+def compare_with_cpu(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], provider: str) -> float:
+    """Raise CanaryMismatch unless every output matches the CPU's within its dtype's tolerance;
+    returns the largest absolute difference."""
+    worst = 0.0
+    for name, expected in reference.items():
+        actual = np.asarray(got[name])
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            raise CanaryMismatch(
+                f"output {name!r}: {actual.dtype}{list(actual.shape)} on {provider}, "
+                f"{expected.dtype}{list(expected.shape)} on the CPU"
+            )
+        if expected.size:
+            difference = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+            worst = max(worst, float(np.nanmax(difference)) if not np.isnan(difference).all() else 0.0)
+        tolerance = _tolerance(expected.dtype)
+        if tolerance is None:
+            ok = bool(np.array_equal(actual, expected))
+        else:
+            rtol, atol = tolerance
+            scale = max(1.0, float(np.nanmax(np.abs(expected)))) if expected.size else 1.0
+            ok = bool(np.allclose(actual, expected, rtol=rtol, atol=atol * scale, equal_nan=True))
+        if not ok:
+            raise CanaryMismatch(
+                f"output {name!r} on {provider} differs from the CPU's on the warm-up input "
+                f"(max abs difference {worst:.3g}); refusing to serve wrong answers. "
+                "Check the GPU driver; --skip-canary turns this check off"
+            )
+    return worst
+
+
+def canary(model: LoadedModel, model_path: Path, plan: SessionPlan) -> dict[str, Any]:
+    """Run the warm-up input on the chosen provider and on the CPU and compare them (seen: a
+    DML session that says DML and returns all zeros). Returns the record published with the
+    worker; raises CanaryMismatch."""
+    if model.provider == "CPUExecutionProvider":
+        return {"passed": True, "skipped": "the model runs on the CPU"}
+    inputs = warmup_inputs(model.signature, seed=1)
+    reference = load_model(model_path, plan.cpu()).run(inputs)
+    worst = compare_with_cpu(model.run(inputs), reference, model.provider)
+    return {"passed": True, "max_abs_diff": worst}

@@ -46,6 +46,7 @@ def main(verbose: bool) -> None:
   ortq worker --model model.onnx --name resnet --provider dml --adapter luid:0x000000000001a2b3
   ortq worker --model model.onnx --name resnet --provider cuda --adapter uuid:GPU-5f3c
   ortq worker --model model.onnx --name resnet --provider auto --policy max-efficiency
+  ortq worker --model model.onnx --name resnet --provider cuda --max-batch 32 --max-wait-ms 2
 """
 )
 @click.option(
@@ -89,6 +90,20 @@ def main(verbose: bool) -> None:
     help="Do not compare the provider's warm-up output with the CPU's before serving (unsafe).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run up to N queued jobs as one batch (concatenated on dim 0; needs a dynamic first dim).",
+)
+@click.option(
+    "--max-wait-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --max-batch: how long to wait for more jobs after the first.",
+)
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
 @click.option("--worker-name", default=None, help="Name in Redis (default <model>.<host>.<pid>).")
 @_REDIS_URL
@@ -102,6 +117,8 @@ def worker(
     allow_cpu_fallback: bool,
     skip_canary: bool,
     threads: int | None,
+    max_batch: int,
+    max_wait_ms: float,
     burst: bool,
     worker_name: str | None,
     redis_url: str | None,
@@ -120,6 +137,8 @@ def worker(
         allow_cpu_fallback=allow_cpu_fallback,
         skip_canary=skip_canary,
         threads=threads,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
         burst=burst,
         worker_name=worker_name,
     )

@@ -14,7 +14,6 @@ unchanged, so failed registries and retries stay RQ's.
 
 from __future__ import annotations
 
-import time
 from base64 import b64encode
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,54 +25,84 @@ import redis
 from ortq import keys
 from ortq.serializer import MsgpackSerializer
 
-# KEYS: job, request, execution, executions, wip registry, worker, intermediate queue
-# ARGV: job id, execution id, worker name, now (epoch s), now (RQ's ISO format), default heartbeat ttl
+# The scripts build per-job key names from the ids they are given (RQ's and ortq's fixed
+# prefixes, see ortq/keys.py): a batch's keys are not known before the script pops its jobs.
+# That ties ortq to a single Redis (no Cluster), as RQ's multi-key transactions already do.
+
+# Start the job ARGV[1] (already moved to the intermediate list by BLMOVE) and pop and start up
+# to ARGV[2] more from the queue, in order.
+# KEYS: queue, intermediate queue, wip registry, worker
+# ARGV: first job id, how many more, worker name, now (epoch s), now (ISO), default heartbeat ttl,
+#       then one fresh execution id per job that may start
 _START = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('LREM', KEYS[7], 1, ARGV[1])
-  return false
-end
-local timeout = tonumber(redis.call('HGET', KEYS[1], 'timeout') or '')
-local ttl = tonumber(ARGV[6])
-if timeout and timeout > 0 then ttl = math.floor(timeout) + 60 end
+local started = {}
 local now = tonumber(ARGV[4])
-redis.call('HSET', KEYS[3], 'id', ARGV[2], 'created_at', ARGV[4], 'last_heartbeat', ARGV[4], 'worker_name', ARGV[3])
-redis.call('EXPIRE', KEYS[3], ttl)
-redis.call('ZADD', KEYS[4], math.floor(now) + ttl + 60, ARGV[2])
-redis.call('EXPIRE', KEYS[4], ttl + 60)
-redis.call('ZADD', KEYS[5], math.floor(now) + ttl, ARGV[1] .. ':' .. ARGV[2])
-redis.call('HSET', KEYS[6], 'state', 'busy', 'current_job', ARGV[1], 'current_job_working_time', '0',
-           'last_heartbeat', ARGV[5])
-redis.call('EXPIRE', KEYS[6], ttl)
-redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[5], 'status', 'started', 'started_at', ARGV[5],
-           'worker_name', ARGV[3])
-redis.call('LREM', KEYS[7], 1, ARGV[1])
-return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]) or false}
+local function start(id, execution)
+  local job = 'rq:job:' .. id
+  if redis.call('EXISTS', job) == 0 then
+    redis.call('LREM', KEYS[2], 1, id)
+    return
+  end
+  local timeout = tonumber(redis.call('HGET', job, 'timeout') or '')
+  local ttl = tonumber(ARGV[6])
+  if timeout and timeout > 0 then ttl = math.floor(timeout) + 60 end
+  local ekey = 'rq:execution:' .. id .. ':' .. execution
+  redis.call('HSET', ekey, 'id', execution, 'created_at', ARGV[4], 'last_heartbeat', ARGV[4], 'worker_name', ARGV[3])
+  redis.call('EXPIRE', ekey, ttl)
+  redis.call('ZADD', 'rq:executions:' .. id, math.floor(now) + ttl + 60, execution)
+  redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
+  redis.call('ZADD', KEYS[3], math.floor(now) + ttl, id .. ':' .. execution)
+  redis.call('HSET', KEYS[4], 'state', 'busy', 'current_job', id, 'current_job_working_time', '0',
+             'last_heartbeat', ARGV[5])
+  redis.call('EXPIRE', KEYS[4], ttl)
+  redis.call('HSET', job, 'last_heartbeat', ARGV[5], 'status', 'started', 'started_at', ARGV[5], 'worker_name', ARGV[3])
+  redis.call('LREM', KEYS[2], 1, id)
+  table.insert(started, {id, execution, redis.call('HGETALL', job), redis.call('GET', 'ortq:req:' .. id) or false})
+end
+start(ARGV[1], ARGV[7])
+for i = 1, tonumber(ARGV[2]) do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then break end
+  start(id, ARGV[7 + i])
+end
+return started
 """
 
-# KEYS: reply, job, request, worker, results stream, finished registry, execution, wip registry, executions
-# ARGV: response frame, ttl, job id, execution id, worker name, working seconds, ended (ISO),
-#       finished score, return value (base64 msgpack), execution started (epoch s), ended (epoch s)
+# Reply to and finish several jobs: first every reply (the producers are blocked on them),
+# then what RQ writes for a finished job.
+# KEYS: finished registry, wip registry, worker
+# ARGV: worker name, job count, then 9 values per job: id, execution id, response frame, ttl,
+#       working seconds, ended (ISO), return value (base64 msgpack), started (epoch s), ended (epoch s)
 _FINISH = """
-redis.call('DEL', KEYS[1])
-redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], 'status', 'finished', 'ended_at', ARGV[7])
-redis.call('DEL', KEYS[3])
-redis.call('HINCRBY', KEYS[4], 'successful_job_count', 1)
-redis.call('HINCRBYFLOAT', KEYS[4], 'total_working_time', ARGV[6])
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', ARGV[5],
-           'return_value', ARGV[9], 'execution_id', ARGV[4],
-           'execution_started_at', ARGV[10], 'execution_ended_at', ARGV[11])
-redis.call('EXPIRE', KEYS[5], ARGV[2])
-redis.call('ZADD', KEYS[6], ARGV[8], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('HDEL', KEYS[4], 'current_job')
-redis.call('HSET', KEYS[4], 'state', 'idle')
-redis.call('DEL', KEYS[7])
-redis.call('ZREM', KEYS[8], ARGV[3] .. ':' .. ARGV[4])
-redis.call('ZREM', KEYS[9], ARGV[4])
-return 1
+local n = tonumber(ARGV[2])
+for j = 0, n - 1 do
+  local b = 3 + 9 * j
+  local reply = 'ortq:reply:' .. ARGV[b]
+  redis.call('DEL', reply)
+  redis.call('RPUSH', reply, ARGV[b + 2])
+  redis.call('EXPIRE', reply, ARGV[b + 3])
+  redis.call('HSET', 'rq:job:' .. ARGV[b], 'status', 'finished', 'ended_at', ARGV[b + 5])
+end
+for j = 0, n - 1 do
+  local b = 3 + 9 * j
+  local id, execution, ttl = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 3])
+  redis.call('DEL', 'ortq:req:' .. id)
+  redis.call('HINCRBY', KEYS[3], 'successful_job_count', 1)
+  redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', ARGV[b + 4])
+  local results = 'rq:results:' .. id
+  redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', ARGV[1],
+             'return_value', ARGV[b + 6], 'execution_id', execution,
+             'execution_started_at', ARGV[b + 7], 'execution_ended_at', ARGV[b + 8])
+  redis.call('EXPIRE', results, ttl)
+  redis.call('ZADD', KEYS[1], math.floor(tonumber(ARGV[b + 8])) + ttl, id)
+  redis.call('EXPIRE', 'rq:job:' .. id, ttl)
+  redis.call('DEL', 'rq:execution:' .. id .. ':' .. execution)
+  redis.call('ZREM', KEYS[2], id .. ':' .. execution)
+  redis.call('ZREM', 'rq:executions:' .. id, execution)
+end
+redis.call('HDEL', KEYS[3], 'current_job')
+redis.call('HSET', KEYS[3], 'state', 'idle')
+return n
 """
 
 
@@ -84,16 +113,27 @@ def rq_isoformat(moment: datetime) -> str:
 
 @dataclass(frozen=True)
 class StartedJob:
-    """What ``start`` hands back: the job hash as RQ stores it, the request frame, the execution."""
+    """One job ``start`` handed back: its id, its hash as RQ stores it, its request frame."""
 
+    job_id: str
+    execution_id: str
     job_hash: dict[bytes, bytes]
     frame: bytes | None
-    execution_id: str
     started_at: datetime
 
 
+@dataclass(frozen=True)
+class FinishedJob:
+    """What ``finish`` needs of one successful job."""
+
+    started: StartedJob
+    frame: bytes
+    ttl: int
+    return_value: Any
+
+
 class Bookkeeping:
-    """The two scripts, bound to one connection and one worker."""
+    """The two scripts, bound to one connection, one worker and one queue."""
 
     def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str, default_ttl: int) -> None:
         self.worker_name = worker_name
@@ -101,57 +141,43 @@ class Bookkeeping:
         self.default_ttl = default_ttl
         self._start = connection.register_script(_START)
         self._finish = connection.register_script(_FINISH)
+        self._start_keys = [
+            f"rq:queue:{queue_name}",
+            f"rq:queue:{queue_name}:intermediate",
+            f"rq:wip:{queue_name}",
+            f"rq:worker:{worker_name}",
+        ]
+        self._finish_keys = [f"rq:finished:{queue_name}", f"rq:wip:{queue_name}", f"rq:worker:{worker_name}"]
 
-    def start(self, job_id: str) -> StartedJob | None:
-        """Mark a dequeued job started and fetch it with its request frame; None if its hash is gone."""
-        execution_id = uuid4().hex
+    def start(self, first_id: str, more: int = 0) -> list[StartedJob]:
+        """Mark ``first_id`` (already in the intermediate list) and up to ``more`` queued jobs
+        started, and fetch them with their request frames, in one round trip. Jobs whose hash
+        expired while they waited are skipped, as RQ skips them."""
         moment = datetime.now(UTC)
-        reply = self._start(
-            keys=[
-                keys.job_key(job_id),
-                keys.request_key(job_id),
-                f"rq:execution:{job_id}:{execution_id}",
-                f"rq:executions:{job_id}",
-                f"rq:wip:{self.queue_name}",
-                f"rq:worker:{self.worker_name}",
-                f"rq:queue:{self.queue_name}:intermediate",
-            ],
-            args=[job_id, execution_id, self.worker_name, moment.timestamp(), rq_isoformat(moment), self.default_ttl],
-        )
-        if reply is None:
-            return None
-        flat, frame = reply
-        job_hash = dict(zip(flat[::2], flat[1::2], strict=True))
-        return StartedJob(job_hash=job_hash, frame=frame, execution_id=execution_id, started_at=moment)
+        executions = [uuid4().hex for _ in range(1 + more)]
+        args: list[Any] = [first_id, more, self.worker_name, moment.timestamp(), rq_isoformat(moment), self.default_ttl]
+        reply = self._start(keys=self._start_keys, args=[*args, *executions])
+        started = []
+        for raw_id, execution, flat, frame in reply:
+            job_hash = dict(zip(flat[::2], flat[1::2], strict=True))
+            started.append(StartedJob(keys.as_text(raw_id), keys.as_text(execution), job_hash, frame, moment))
+        return started
 
-    def finish(self, job_id: str, started: StartedJob, frame: bytes, ttl: int, return_value: Any) -> datetime:
-        """Reply, then write what RQ writes for a finished job; returns the end time."""
+    def finish(self, jobs: list[FinishedJob]) -> None:
+        """Reply to every job, then write what RQ writes for each finished job; one round trip."""
         ended = datetime.now(UTC)
-        packed = b64encode(MsgpackSerializer.dumps(return_value)).decode()
-        self._finish(
-            keys=[
-                keys.reply_key(job_id),
-                keys.job_key(job_id),
-                keys.request_key(job_id),
-                f"rq:worker:{self.worker_name}",
-                f"rq:results:{job_id}",
-                f"rq:finished:{self.queue_name}",
-                f"rq:execution:{job_id}:{started.execution_id}",
-                f"rq:wip:{self.queue_name}",
-                f"rq:executions:{job_id}",
-            ],
-            args=[
-                frame,
-                ttl,
-                job_id,
+        args: list[Any] = [self.worker_name, len(jobs)]
+        for job in jobs:
+            started = job.started
+            args += [
+                started.job_id,
                 started.execution_id,
-                self.worker_name,
+                job.frame,
+                job.ttl,
                 (ended - started.started_at).total_seconds(),
                 rq_isoformat(ended),
-                int(time.time()) + ttl,
-                packed,
+                b64encode(MsgpackSerializer.dumps(job.return_value)).decode(),
                 started.started_at.timestamp(),
                 ended.timestamp(),
-            ],
-        )
-        return ended
+            ]
+        self._finish(keys=self._finish_keys, args=args)

@@ -19,6 +19,7 @@ from ortq.worker.adapters import (
     select_adapter,
     unenumerated_dml_options,
 )
+from ortq.worker.batch import check_batchable
 from ortq.worker.session import (
     AUTO_POLICIES,
     EXECUTION_PROVIDERS,
@@ -50,6 +51,10 @@ class WorkerConfig:
     burst: bool = False
     worker_name: str | None = None
     skip_canary: bool = False
+    #: Dynamic batching: up to max_batch queued jobs share one run, waiting at most max_wait_ms
+    #: for more to arrive after the first. 1 = off.
+    max_batch: int = 1
+    max_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
@@ -59,6 +64,12 @@ class WorkerConfig:
             raise ConfigurationError(f"unknown policy {self.policy!r}; choose one of {', '.join(AUTO_POLICIES)}")
         if self.adapter is not None and self.provider in ("cpu", "auto"):
             raise ConfigurationError(f"--adapter does not apply to --provider {self.provider}")
+        if self.max_batch < 1 or self.max_wait_ms < 0:
+            raise ConfigurationError(
+                f"need max_batch >= 1 and max_wait_ms >= 0, got {self.max_batch}, {self.max_wait_ms}"
+            )
+        if self.max_wait_ms > 0 and self.max_batch == 1:
+            raise ConfigurationError("--max-wait-ms only applies with --max-batch > 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigurationError(f"threads must be >= 1, got {self.threads}")
 
@@ -95,6 +106,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     plan, adapter = resolve_plan(config)
     model: LoadedModel = load_model(config.model_path, plan)
+    if config.max_batch > 1:
+        check_batchable(model.signature)
     seconds = warm_up(model)
     log.info(
         "model %s loaded on %s%s, warm-up run %.1f ms",
@@ -114,9 +127,16 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
         fell_back_to_cpu=model.fell_back_to_cpu,
         host=socket.gethostname(),
         pid=os.getpid(),
-        extra={"requested_provider": config.provider, "adapter": adapter, "canary": check},
+        extra={
+            "requested_provider": config.provider,
+            "adapter": adapter,
+            "canary": check,
+            "max_batch": config.max_batch,
+            "max_wait_ms": config.max_wait_ms,
+        },
     )
-    return OrtqWorker(model, identity, settings, name=config.worker_name or config.default_worker_name())
+    name = config.worker_name or config.default_worker_name()
+    return OrtqWorker(model, identity, settings, name, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
 
 
 def serve(config: WorkerConfig, settings: Settings) -> bool:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import redis
 from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
@@ -33,7 +34,8 @@ from ortq.errors import OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
-from ortq.worker.bookkeeping import Bookkeeping, StartedJob
+from ortq.worker.batch import batch_key, concat, group, split
+from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
 from ortq.worker.session import LoadedModel
 
 log = logging.getLogger("ortq.worker")
@@ -75,6 +77,8 @@ class OrtqWorker(SimpleWorker):
         identity: WorkerIdentity,
         settings: Settings,
         name: str | None = None,
+        max_batch: int = 1,
+        max_wait_ms: float = 0.0,
     ) -> None:
         connection = settings.connect()
         queue = Queue(
@@ -95,7 +99,9 @@ class OrtqWorker(SimpleWorker):
         self.identity = identity
         self.settings = settings
         self.bookkeeping = Bookkeeping(connection, self.name, queue.name, DEFAULT_WORKER_TTL + 60)
-        self._started: StartedJob
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000
+        self._batch: list[tuple[OrtqJob, StartedJob]] = []
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
         self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
@@ -204,7 +210,8 @@ class OrtqWorker(SimpleWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[OrtqJob, Queue] | None:
-        """Take the next job (BLMOVE into RQ's intermediate list, as RQ does) and start it.
+        """Take the next job (BLMOVE into RQ's intermediate list, as RQ does), start it and, when
+        batching, up to ``max_batch - 1`` more; the batch is kept for ``execute_job``.
 
         Returns None when ``timeout`` (or ``max_idle_time``) passes with nothing to do, or at
         once in burst mode (``timeout`` None) when the queue is empty.
@@ -218,37 +225,65 @@ class OrtqWorker(SimpleWorker):
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
-                if block is None:
-                    raw_id = self.connection.lmove(queue.key, queue.intermediate_queue_key)
-                else:
-                    raw_id = self.connection.blmove(queue.key, queue.intermediate_queue_key, block)
+                raw_id = self._pop(queue, block)
                 if raw_id is None:
                     return None
-                job = self._start(keys.as_text(raw_id))
-                if job is not None:
-                    return job, queue
+                batch = self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - 1)
+                batch += self._wait_for_more(queue, len(batch))
+                if batch:
+                    self._batch = [(self._job(started), started) for started in batch]
+                    self._state = WorkerStatus.BUSY
+                    return self._batch[0][0], queue
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
             except redis.ConnectionError as exc:
                 log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 60.0)
 
-    def _start(self, job_id: str) -> OrtqJob | None:
-        started = self.bookkeeping.start(job_id)
-        if started is None:
-            return None
-        job = OrtqJob(id=job_id, connection=self.connection, serializer=MsgpackSerializer)
+    def _pop(self, queue: Queue, block: float | None) -> bytes | None:
+        if block is None:
+            return self.connection.lmove(queue.key, queue.intermediate_queue_key)  # type: ignore[return-value]
+        # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
+        return self.connection.blmove(queue.key, queue.intermediate_queue_key, block)  # type: ignore[arg-type,return-value]
+
+    def _wait_for_more(self, queue: Queue, have: int) -> list[StartedJob]:
+        """Fill the batch with jobs that arrive within ``max_wait`` of the first."""
+        more: list[StartedJob] = []
+        deadline = time.monotonic() + self.max_wait
+        while 0 < have + len(more) < self.max_batch and (left := deadline - time.monotonic()) > 0.001:
+            raw_id = self._pop(queue, left)
+            if raw_id is None:
+                break
+            more += self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - have - len(more) - 1)
+        return more
+
+    def _job(self, started: StartedJob) -> OrtqJob:
+        job = OrtqJob(id=started.job_id, connection=self.connection, serializer=MsgpackSerializer)
         job.restore(started.job_hash)
-        self._started = started
-        # What RQ keeps in memory about a job it has started, for its failure path.
-        self.execution = Execution(started.execution_id, job_id, self.connection, worker_name=self.name)
-        self.execution.created_at = started.started_at
-        self._state = WorkerStatus.BUSY
         return job
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        assert isinstance(job, OrtqJob)  # this worker's job_class: see __init__
-        started = self._started
+        """Run the batch ``dequeue_job_and_maintain_ttl`` took (``job`` is its first job).
+
+        Each job is checked on its own and a bad one fails alone; the good ones run in groups of
+        batch-compatible inputs, and all of them are replied to and finished in one round trip.
+        """
+        batch, self._batch = self._batch, []
+        pending: list[_Pending] = []
+        for rq_job, started in batch:
+            item = self._prepare(rq_job, started, queue)
+            if item is not None:
+                pending.append(item)
+        finished: list[FinishedJob] = []
+        for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
+            finished += self._run_group(members, queue)
+        if finished:
+            self.bookkeeping.finish(finished)
+        self.execution = None
+        self._state = WorkerStatus.IDLE
+
+    def _prepare(self, job: OrtqJob, started: StartedJob, queue: Queue) -> _Pending | None:
+        """Decode and check one job's request; fail the job (and return None) if it is bad."""
         timings: dict[str, float] = {}
         if job.enqueued_at is not None:
             timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
@@ -265,23 +300,41 @@ class OrtqWorker(SimpleWorker):
             t0 = time.perf_counter()
             request = wire.decode_request(started.frame, max_bytes=self.settings.max_frame_bytes)
             self.model.signature.check_inputs(request.inputs)
-            t1 = time.perf_counter()
-            outputs = self.model.run(request.inputs)
-            t2 = time.perf_counter()
-            timings.update(decode=t1 - t0, run=t2 - t1)
-            response = wire.encode_response(outputs, timings)
-            timings["encode"] = time.perf_counter() - t2
+            timings["decode"] = time.perf_counter() - t0
         except Exception as exc:
-            self._fail(job, queue, exc, timings)
-            return
-        summary = {
-            "reply_key": keys.reply_key(job.id),
-            "outputs": {name: [str(value.dtype), list(value.shape)] for name, value in outputs.items()},
-            "timings": timings,
-        }
-        self.bookkeeping.finish(job.id, started, response, self._ttl(job.result_ttl, self.settings.result_ttl), summary)
-        self.execution = None
-        self._state = WorkerStatus.IDLE
+            self._fail(job, started, queue, exc, timings)
+            return None
+        rows = next(iter(request.inputs.values())).shape[0] if self.max_batch > 1 and request.inputs else 1
+        return _Pending(job, started, request.inputs, timings, rows)
+
+    def _run_group(self, members: list[_Pending], queue: Queue) -> list[FinishedJob]:
+        """One run for the group; if it fails, each job runs alone so that only the bad one fails."""
+        t0 = time.perf_counter()
+        try:
+            outputs = self.model.run(concat([m.inputs for m in members]))
+            per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
+        except Exception as exc:
+            if len(members) > 1:
+                log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)
+                return [f for m in members for f in self._run_group([m], queue)]
+            self._fail(members[0].job, members[0].started, queue, exc, members[0].timings)
+            return []
+        run = time.perf_counter() - t0
+        finished = []
+        for member, outputs_of_job in zip(members, per_job, strict=True):
+            timings = {**member.timings, "run": run}
+            t1 = time.perf_counter()
+            frame = wire.encode_response(outputs_of_job, timings)
+            timings["encode"] = time.perf_counter() - t1
+            summary = {
+                "reply_key": keys.reply_key(member.job.id),
+                "outputs": {name: [str(v.dtype), list(v.shape)] for name, v in outputs_of_job.items()},
+                "batch_size": len(members),
+                "timings": timings,
+            }
+            ttl = self._ttl(member.job.result_ttl, self.settings.result_ttl)
+            finished.append(FinishedJob(member.started, frame, ttl, summary))
+        return finished
 
     @staticmethod
     def _ttl(from_job: int | None, default: int) -> int:
@@ -300,8 +353,10 @@ class OrtqWorker(SimpleWorker):
             pipe.delete(keys.request_key(job.id))
             pipe.execute()
 
-    def _fail(self, job: OrtqJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
-        """Fail a started job through RQ's own failure path (failed registry, retries)."""
+    def _fail(
+        self, job: OrtqJob, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]
+    ) -> None:
+        """Fail one started job through RQ's own failure path (failed registry, retries)."""
         error_type = type(exc).__name__
         message = str(exc) or error_type
         job.ended_at = now()
@@ -311,5 +366,19 @@ class OrtqWorker(SimpleWorker):
         log.warning("job %s failed%s: %s: %s", job.id, " (will retry)" if will_retry else "", error_type, message)
         if not will_retry:
             self._reply_failure(job, wire.encode_error(error_type, message, timings))
+        # What RQ keeps in memory about a job it has started, for its failure path.
+        self.execution = Execution(started.execution_id, job.id, self.connection, worker_name=self.name)
+        self.execution.created_at = started.started_at
         self.handle_job_failure(job, queue, exc_string=f"{error_type}: {message}")
         self.set_state(WorkerStatus.IDLE)
+
+
+@dataclass
+class _Pending:
+    """A job whose request decoded and fits the model, waiting for its group's run."""
+
+    job: OrtqJob
+    started: StartedJob
+    inputs: dict[str, np.ndarray]
+    timings: dict[str, float]
+    rows: int

@@ -1,0 +1,187 @@
+"""The CUDA worker end to end on a real NVIDIA GPU: adapters, selection, outputs vs the CPU, speed.
+
+    python -m bench.gpu.cuda_e2e --models DIR [--out FILE.json]
+
+Run by bench/gpu/run_on_h200.sh on the lent H200 (needs onnxruntime-gpu, a redis-server on
+PATH, and DIR holding conv.onnx, tiny.onnx, digits.onnx built here by tests/onnx_models.py).
+It checks, and prints, each step:
+1. ``ortq adapters --json`` lists the GPU with its UUID, and the CPU;
+2. workers started with ``--provider cuda`` and ``--adapter 0``, ``--adapter name:<part of its
+   name>`` and ``--adapter uuid:<prefix>`` all resolve to that GPU, really run on
+   CUDAExecutionProvider, pass the CPU canary, and return outputs within tolerance of a CPU
+   ``session.run`` on the same inputs;
+3. side by side in one run: direct CUDA ``session.run`` vs ortq (sequential p50, drain jobs/s)
+   on the conv model at batch 1.
+Exit status 0 only if every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from ortq.localredis import LocalRedis
+from ortq.producer import Producer
+from ortq.settings import Settings
+
+
+def cpu_run(model: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs), strict=True))
+
+
+def start_worker(model: Path, name: str, url: str, adapter: str, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "ortq", "worker", "--model", str(model), "--name", name,
+                             "--provider", "cuda", "--adapter", adapter, "--redis-url", url, *extra])  # fmt: skip
+
+
+def stop(process: subprocess.Popen[bytes]) -> int:
+    process.terminate()
+    return process.wait(30)
+
+
+def check_worker(
+    producer: Producer, model: Path, name: str, url: str, adapter: str, gpu: dict[str, Any]
+) -> dict[str, Any]:
+    process = start_worker(model, name, url, adapter)
+    try:
+        [record] = producer.wait_for_workers(name, 1, timeout=120)
+        rng = np.random.default_rng(0)
+        signature = producer.signature(name)
+        assert signature is not None
+        spec = signature.inputs[0]
+        shape = tuple(4 if not isinstance(d, int) else d for d in spec.shape)
+        x = (rng.standard_normal(shape) * (4 if spec.name == "pixels" else 1)).astype(spec.dtype)
+        got = producer.infer(name, {spec.name: x}, timeout=60)
+        want = cpu_run(model, {spec.name: x})
+        worst = max(float(np.max(np.abs(got[k].astype(np.float64) - want[k]))) for k in want)
+        close = all(np.allclose(got[k], want[k], rtol=1e-2, atol=1e-3 * max(1.0, float(np.max(np.abs(want[k])))))
+                    for k in want)  # fmt: skip
+        result = {
+            "adapter_spec": adapter,
+            "provider": record["provider"],
+            "resolved": record["adapter"],
+            "canary": record["canary"],
+            "max_abs_diff_vs_cpu": worst,
+            "ok": bool(close and record["provider"] == "CUDAExecutionProvider"
+                       and record["adapter"]["uuid"] == gpu["uuid"] and record["canary"]["passed"]),
+        }  # fmt: skip
+    finally:
+        result_code = stop(process)
+    result["exit_code"] = result_code
+    print(json.dumps(result))
+    return result
+
+
+def speed(producer: Producer, model: Path, name: str, url: str, requests: int = 300) -> dict[str, float]:
+    x = {"image": np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])
+    for _ in range(50):
+        session.run(None, x)
+    direct = []
+    for _ in range(requests):
+        t = time.perf_counter()
+        session.run(None, x)
+        direct.append(time.perf_counter() - t)
+    process = start_worker(model, name, url, "0")
+    try:
+        producer.wait_for_workers(name, 1, timeout=120)
+        for _ in range(30):
+            producer.infer(name, x)
+        queued = []
+        for _ in range(requests):
+            t = time.perf_counter()
+            producer.infer(name, x)
+            queued.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for job in producer.submit_many(name, [x] * requests):
+            job.result(timeout=60)
+        drain = requests / (time.perf_counter() - t)
+    finally:
+        stop(process)
+    figures = {
+        "direct_p50_ms": 1000 * statistics.median(direct),
+        "ortq_p50_ms": 1000 * statistics.median(queued),
+        "ortq_p50_over_direct": statistics.median(queued) / statistics.median(direct),
+        "direct_jobs_per_s": 1 / statistics.mean(direct),
+        "ortq_drain_jobs_per_s": drain,
+    }
+    print(json.dumps(figures))
+    return figures
+
+
+def batched_drain(producer: Producer, model: Path, url: str, batch: int = 32, jobs: int = 512) -> dict[str, float]:
+    """ortq batched drain (queue filled first) vs direct session.run at the same batch size, per item."""
+    rng = np.random.default_rng(2)
+    one = {"image": rng.standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])
+    stacked = {"image": np.repeat(one["image"], batch, axis=0)}
+    for _ in range(20):
+        session.run(None, stacked)
+    t = time.perf_counter()
+    for _ in range(jobs // batch):
+        session.run(None, stacked)
+    direct_items = jobs / (time.perf_counter() - t)
+    name = f"conv-batch{batch}"
+    process = start_worker(model, name, url, "0", "--max-batch", str(batch), "--max-wait-ms", "2")
+    try:
+        producer.wait_for_workers(name, 1, timeout=120)
+        for job in producer.submit_many(name, [one] * batch):
+            job.result(timeout=60)
+        submitted = producer.submit_many(name, [one] * jobs)
+        t = time.perf_counter()
+        results = [job.result(timeout=120) for job in submitted]
+        ortq_items = jobs / (time.perf_counter() - t)
+    finally:
+        stop(process)
+    want = cpu_run(model, one)["logits"]
+    close = all(np.allclose(r["logits"], want, rtol=1e-2, atol=1e-3) for r in results)
+    figures = {"batch": batch, "jobs": jobs, "direct_items_per_s": direct_items, "ortq_batched_items_per_s": ortq_items,
+               "ortq_over_direct": ortq_items / direct_items, "outputs_close_to_cpu": close}  # fmt: skip
+    print(json.dumps(figures))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    report: dict[str, Any] = {"onnxruntime": ort.__version__, "available": ort.get_available_providers()}
+    listed = json.loads(subprocess.run([sys.executable, "-m", "ortq", "adapters", "--json"], check=True,
+                                       capture_output=True, text=True).stdout)  # fmt: skip
+    report["adapters"] = listed
+    print(json.dumps(listed, indent=1))
+    gpus = [a for a in listed if a["provider"] == "cuda"]
+    assert gpus and gpus[0]["uuid"], "no CUDA device listed"
+    gpu = gpus[0]
+    name_part = gpu["name"].split()[-1]  # e.g. "H200"
+    with LocalRedis() as server, Producer(settings=Settings.from_url(server.url)) as producer:
+        checks = [
+            check_worker(producer, args.models / "conv.onnx", "conv-a", server.url, "0", gpu),
+            check_worker(producer, args.models / "digits.onnx", "digits-b", server.url, f"name:{name_part}", gpu),
+            check_worker(producer, args.models / "tiny.onnx", "tiny-c", server.url, f"uuid:{gpu['uuid'][:12]}", gpu),
+        ]
+        report["checks"] = checks
+        report["speed_conv_batch1"] = speed(producer, args.models / "conv.onnx", "conv-speed", server.url)
+        report["batched_drain_conv"] = batched_drain(producer, args.models / "conv.onnx", server.url)
+    ok = all(c["ok"] and c["exit_code"] == 0 for c in checks)
+    report["ok"] = ok
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the lent H200 (device tool), after the onnxruntime-gpu wheel was reassembled into /tmp/w
+# (../shared/gpu/README.md): a clean venv with only ortq's dependencies (the image's own CPU
+# onnxruntime would otherwise make the worker refuse to start: two ONNX Runtime distributions),
+# a redis-server from .gpurun/bin, then bench/gpu/cuda_e2e.py. Carried: .whl (wheels), .gpurun.
+set -euo pipefail
+cd /tmp/w && echo "$(cat SHA256)  ort.whl" | sha256sum -c - && mv ort.whl "$(cat NAME)" && cd - >/dev/null
+python3 -m venv --without-pip /tmp/v
+site=$(/tmp/v/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl "/tmp/w/$(cat /tmp/w/NAME)"
+# CUDA/cuDNN libraries come from the image's nvidia-* packages.
+export LD_LIBRARY_PATH=$(python3 -c "import os,glob,nvidia;r=os.path.dirname(nvidia.__path__[0]);print(':'.join(sorted({os.path.dirname(p) for p in glob.glob(r+'/nvidia/**/lib*.so*',recursive=True)})))"):${LD_LIBRARY_PATH:-}
+export PATH=$PWD/.gpurun/bin:$PATH PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv
+/tmp/v/bin/python -m bench.gpu.cuda_e2e --models .gpurun/models --out "${OUT:-/tmp}/cuda_e2e.json"

@@ -1,0 +1,80 @@
+"""Dynamic batching: which jobs may share one ``session.run``, and how their tensors are
+joined along dim 0 and split back.
+
+Jobs are batch-compatible when they carry the same input names with the same dtypes and the
+same dims after the first. Order is kept: jobs are grouped in arrival order and each group's
+rows are in arrival order, so a producer's jobs keep their order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from ortq.errors import ConfigurationError, OrtqError
+from ortq.signature import ModelSignature
+
+T = TypeVar("T")
+Tensors = dict[str, np.ndarray]
+BatchKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+class BatchSplitError(OrtqError):
+    """A batched run returned outputs whose first dimension is not the batch's total rows."""
+
+
+def check_batchable(signature: ModelSignature) -> None:
+    """Raise ConfigurationError unless every input and output has a dynamic first dimension."""
+    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+        for spec in specs:
+            if not spec.shape:
+                raise ConfigurationError(f"batching needs a first dimension, but {kind} {spec.describe()} is 0-d")
+            first = spec.shape[0]
+            if isinstance(first, int) and first >= 0:
+                raise ConfigurationError(
+                    f"batching needs a dynamic first dimension, but {kind} {spec.describe()} fixes it to {first}; "
+                    "export the model with a dynamic batch axis or run without --max-batch"
+                )
+
+
+def batch_key(inputs: Tensors) -> BatchKey:
+    return tuple(sorted((name, value.dtype.str, tuple(value.shape[1:])) for name, value in inputs.items()))
+
+
+def group(items: Sequence[T], key: Callable[[T], BatchKey], max_rows: int, rows: Callable[[T], int]) -> list[list[T]]:
+    """Compatible items together, in arrival order, at most ``max_rows`` rows a group (a single
+    item with more rows than that is a group of its own)."""
+    open_groups: dict[BatchKey, list[T]] = {}
+    groups: list[list[T]] = []
+    for item in items:
+        k = key(item)
+        current = open_groups.get(k)
+        if current is not None and sum(rows(i) for i in current) + rows(item) > max_rows:
+            current = None
+        if current is None:
+            current = []
+            open_groups[k] = current
+            groups.append(current)
+        current.append(item)
+    return groups
+
+
+def concat(many: Sequence[Tensors]) -> Tensors:
+    if len(many) == 1:
+        return many[0]
+    return {name: np.concatenate([inputs[name] for inputs in many], axis=0) for name in many[0]}
+
+
+def split(outputs: Tensors, sizes: Sequence[int]) -> list[Tensors]:
+    """Each job's rows of ``outputs``, as views (no copy)."""
+    total = sum(sizes)
+    for name, value in outputs.items():
+        if value.ndim == 0 or value.shape[0] != total:
+            raise BatchSplitError(
+                f"output {name!r} has shape {list(value.shape)} for a batch of {total} rows: "
+                "its first dimension is not the batch"
+            )
+    bounds = np.cumsum([0, *sizes])
+    return [{name: value[bounds[i] : bounds[i + 1]] for name, value in outputs.items()} for i in range(len(sizes))]

@@ -102,6 +102,7 @@ class OrtqWorker(SimpleWorker):
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000
         self._batch: list[tuple[OrtqJob, StartedJob]] = []
+        self._batch_wait = 0.0
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
         self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
@@ -229,7 +230,9 @@ class OrtqWorker(SimpleWorker):
                 if raw_id is None:
                     return None
                 batch = self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - 1)
+                waited = time.perf_counter()
                 batch += self._wait_for_more(queue, len(batch))
+                self._batch_wait = time.perf_counter() - waited
                 if batch:
                     self._batch = [(self._job(started), started) for started in batch]
                     self._state = WorkerStatus.BUSY
@@ -287,6 +290,8 @@ class OrtqWorker(SimpleWorker):
         timings: dict[str, float] = {}
         if job.enqueued_at is not None:
             timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
+        if self.max_batch > 1:
+            timings["batch_wait"] = self._batch_wait
         try:
             reason = job.forbidden_reason()
             if reason is not None:

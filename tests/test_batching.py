@@ -1,0 +1,101 @@
+"""Dynamic batching: per-job results equal an unbatched session.run, bad jobs fail alone,
+batching is refused where the model's first dimension is fixed, max-wait is honoured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortq.errors import ConfigurationError, InferenceFailed
+from ortq.producer import Producer
+from ortq.rqjob import OrtqJob
+from ortq.serializer import MsgpackSerializer
+from ortq.signature import ModelSignature, TensorSpec
+from ortq.worker.batch import BatchSplitError, batch_key, check_batchable, concat, group, split
+from tests import onnx_models
+from tests.conftest import REPO, WorkerProcesses
+
+
+def summary(producer: Producer, job_id: str) -> dict[str, object]:
+    result = OrtqJob.fetch(job_id, connection=producer.connection, serializer=MsgpackSerializer).latest_result()
+    assert result is not None
+    value: dict[str, object] = result.return_value
+    return value
+
+
+def test_batched_results_equal_each_job_run_alone(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, conv_path: Path
+) -> None:
+    rng = np.random.default_rng(5)
+    images = [rng.standard_normal((1 + i % 2, 3, 224, 224)).astype(np.float32) for i in range(12)]
+    # Queued before the worker starts, so that it finds them waiting and batches them.
+    jobs = producer.submit_many(model_name, [{"image": image} for image in images])
+    workers.serve(conv_path, model_name, redis_url, 1, "--max-batch", "8", "--max-wait-ms", "50")
+    session = ort.InferenceSession(str(conv_path), providers=["CPUExecutionProvider"])
+    for job, image in zip(jobs, images, strict=True):
+        got = job.result(timeout=60)["logits"]
+        assert got.shape == (image.shape[0], 10)
+        np.testing.assert_allclose(got, session.run(None, {"image": image})[0], rtol=1e-4, atol=1e-5)
+    sizes = [summary(producer, job.id)["batch_size"] for job in jobs]
+    assert max(sizes) > 1, sizes  # type: ignore[type-var]
+
+
+def test_a_bad_job_in_a_batch_fails_alone(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    unchecked = Producer(redis_url, validate=False)
+    xs = [np.full((2, 4), i, np.float32) for i in range(6)]
+    inputs: list[dict[str, np.ndarray]] = [{"x": x} for x in xs]
+    inputs[3] = {"x": np.zeros((2, 5), np.float32)}  # wrong fixed dim
+    jobs = unchecked.submit_many(model_name, inputs)
+    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "16")
+    for i, job in enumerate(jobs):
+        if i == 3:
+            with pytest.raises(InferenceFailed, match="size 5 on axis 1"):
+                job.result(timeout=30)
+        else:
+            np.testing.assert_array_equal(job.result(timeout=30)["y"], xs[i] * 2 + 1)
+    assert summary(unchecked, jobs[0].id)["batch_size"] == 5
+
+
+def test_batching_is_refused_without_a_dynamic_first_dim(models_dir: Path, redis_url: str, model_name: str) -> None:
+    fixed = onnx_models.fixed_batch_model(models_dir / "fixed.onnx")
+    command = [sys.executable, "-m", "ortq", "worker", "--model", str(fixed), "--name", model_name,
+               "--redis-url", redis_url, "--max-batch", "4"]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2
+    assert "batching needs a dynamic first dimension" in done.stderr and "x: float32[1, 4]" in done.stderr
+
+
+def test_a_lone_job_waits_about_max_wait(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "8", "--max-wait-ms", "300")
+    response = producer.wait_response(producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}).id, 30)
+    assert response.ok
+    # The worker's own account of how long it held the job open for company.
+    assert 0.25 <= response.timings["batch_wait"] <= 0.6, response.timings
+
+
+def test_grouping_split_and_checks() -> None:
+    a = {"x": np.zeros((2, 3), np.float32)}
+    b = {"x": np.ones((1, 3), np.float32)}
+    c = {"x": np.ones((1, 4), np.float32)}  # other trailing dims: a group of its own
+    d = {"x": np.ones((1, 3), np.float64)}  # other dtype: a group of its own
+    items = [a, b, c, d, {"x": np.ones((3, 3), np.float32)}]
+    groups = group(items, batch_key, max_rows=4, rows=lambda t: t["x"].shape[0])
+    assert [[next(i for i, t in enumerate(items) if t is m) for m in g] for g in groups] == [[0, 1], [2], [3], [4]]
+    joined = concat([a, b])
+    assert joined["x"].shape == (3, 3)
+    parts = split({"y": joined["x"] * 2}, [2, 1])
+    np.testing.assert_array_equal(parts[1]["y"], b["x"] * 2)
+    with pytest.raises(BatchSplitError):
+        split({"y": np.zeros((2, 3))}, [2, 1])
+    with pytest.raises(ConfigurationError, match="0-d"):
+        check_batchable(ModelSignature((TensorSpec("s", "float32", ()),), ()))
+    check_batchable(ModelSignature((TensorSpec("x", "float32", ("batch", 3)),), (TensorSpec("y", "float32", (None,)),)))

@@ -181,3 +181,20 @@ def test_results_can_be_read_again_and_by_another_producer(
     np.testing.assert_array_equal(first, again)
     np.testing.assert_array_equal(first, x * 3)
     assert not first.flags.writeable  # a view onto the received frame, as documented
+
+
+def test_results_of_many_jobs_are_waited_for_together(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    xs = [np.full((1, 4), i, np.float32) for i in range(40)]
+    jobs = producer.submit_many(model_name, [{"x": x} for x in xs])
+    with pytest.raises(ResultTimeout, match="40 of 40 jobs had no result"):
+        producer.results(jobs, timeout=0.5)  # no worker yet
+    workers.serve(tiny_path, model_name, redis_url)
+    for x, outputs in zip(xs, producer.results(jobs, timeout=30), strict=True):
+        np.testing.assert_array_equal(outputs["y"], x * 2 + 1)
+    unchecked = Producer(settings=Settings.from_url(redis_url), validate=False)
+    mixed = unchecked.submit_many(model_name, [{"x": xs[0]}, {"x": np.zeros((1, 3), np.float32)}])
+    with pytest.raises(InferenceFailed) as caught:
+        unchecked.results(mixed, timeout=30)
+    assert caught.value.job_id == mixed[1].id

@@ -64,7 +64,7 @@ def run_demo(redis_url: str | None, workers: int = 1) -> bool:
         print(f"{len(found)} worker(s) ready on {', '.join(w['provider'] for w in found)}")
         started = time.perf_counter()
         jobs = producer.submit_many(MODEL_NAME, [{"pixels": pixels[i : i + 1]} for i in range(len(pixels))])
-        results = [job.result(timeout=60) for job in jobs]
+        results = producer.results(jobs, timeout=60)
         elapsed = time.perf_counter() - started
     probabilities = np.concatenate([r["probabilities"] for r in results])
     predicted = np.concatenate([r["label"] for r in results])

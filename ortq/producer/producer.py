@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -204,6 +204,44 @@ class Producer:
             frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
             if frame is not None:
                 return wire.decode_response(cast(bytes, frame), max_bytes=self.settings.max_frame_bytes)
+
+    def wait_responses(self, job_ids: Sequence[str], timeout: float) -> list[wire.Response]:
+        """The responses of many jobs, in order: one pipelined read fetches every response that
+        is there, then one blocking read waits for the oldest missing one, and so on."""
+        responses: list[wire.Response | None] = [None] * len(job_ids)
+        pending = list(range(len(job_ids)))
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for i in pending:
+                    pipe.lindex(keys.reply_key(job_ids[i]), 0)
+                frames = pipe.execute()
+            still = []
+            for i, frame in zip(pending, frames, strict=True):
+                if frame is None:
+                    still.append(i)
+                else:
+                    responses[i] = wire.decode_response(frame, max_bytes=self.settings.max_frame_bytes)
+            pending = still
+            if not pending:
+                return cast(list[wire.Response], responses)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ResultTimeout(f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
+            oldest = keys.reply_key(job_ids[pending[0]])
+            self.connection.blmove(oldest, oldest, min(remaining, self.settings.block_slice), "RIGHT", "LEFT")  # type: ignore[arg-type]
+
+    def results(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
+        """The outputs of many jobs, in order, waited for together (see wait_responses).
+
+        Raises InferenceFailed for the first job (in order) that failed, ResultTimeout if some had
+        no result in time.
+        """
+        responses = self.wait_responses([job.id for job in jobs], timeout)
+        for job, response in zip(jobs, responses, strict=True):
+            if response.error is not None:
+                raise InferenceFailed(job.id, response.error.type, response.error.message)
+        return [response.outputs for response in responses]
 
     def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job (see InferenceJob.cancel)."""

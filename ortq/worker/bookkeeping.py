@@ -1,9 +1,10 @@
-"""RQ's per-job state changes, done server-side: one script to start a job, one to finish it.
+"""RQ's per-job state changes, done server-side: one script to start jobs, one to finish them.
 
 RQ's own worker spends ~20 round trips and ~40 commands on each job (execution record,
 registries, worker and job hashes, result stream), each packed and parsed in Python. A GPU
 model often runs faster than that. Here the same writes happen inside two Lua scripts, one
-``EVALSHA`` each, so a job costs three round trips in all: the dequeue, ``start``, ``finish``.
+``EVALSHA`` each, so a job costs three round trips in all: the dequeue, ``start`` (with the
+GET of its request frame), ``finish``; a batch of jobs costs one more, for their frames.
 
 What the scripts write is exactly what RQ 2.12's ``prepare_execution`` +
 ``prepare_job_execution`` and ``handle_job_success`` write (tests/test_rq_views.py reads it
@@ -17,7 +18,7 @@ from __future__ import annotations
 from base64 import b64encode
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 from uuid import uuid4
 
 import redis
@@ -57,7 +58,7 @@ local function start(id, execution)
   redis.call('EXPIRE', KEYS[4], ttl)
   redis.call('HSET', job, 'last_heartbeat', ARGV[5], 'status', 'started', 'started_at', ARGV[5], 'worker_name', ARGV[3])
   redis.call('LREM', KEYS[2], 1, id)
-  table.insert(started, {id, execution, redis.call('HGETALL', job), redis.call('GET', 'ortq:req:' .. id) or false})
+  table.insert(started, {id, execution, redis.call('HGETALL', job)})
 end
 start(ARGV[1], ARGV[7])
 for i = 1, tonumber(ARGV[2]) do
@@ -139,6 +140,7 @@ class Bookkeeping:
         self.worker_name = worker_name
         self.queue_name = queue_name
         self.default_ttl = default_ttl
+        self._connection = connection
         self._start = connection.register_script(_START)
         self._finish = connection.register_script(_FINISH)
         self._start_keys = [
@@ -156,9 +158,19 @@ class Bookkeeping:
         moment = datetime.now(UTC)
         executions = [uuid4().hex for _ in range(1 + more)]
         args: list[Any] = [first_id, more, self.worker_name, moment.timestamp(), rq_isoformat(moment), self.default_ttl]
-        reply = self._start(keys=self._start_keys, args=[*args, *executions])
+        # Frames are read with GET/MGET, not inside the script: a script's reply copies every
+        # string through Lua, several times slower for frames of hundreds of KB. The first job's
+        # frame goes in the same round trip as the script; the others' (batching) in one more.
+        with self._connection.pipeline(transaction=False) as pipe:
+            self._start(keys=self._start_keys, args=[*args, *executions], client=pipe)
+            pipe.get(keys.request_key(first_id))
+            reply, first_frame = pipe.execute()
+        ids = [keys.as_text(r[0]) for r in reply]
+        frames: list[bytes | None] = [first_frame] if ids[:1] == [first_id] else []
+        if len(ids) > len(frames):
+            frames += cast(list[bytes | None], self._connection.mget([keys.request_key(i) for i in ids[len(frames) :]]))
         started = []
-        for raw_id, execution, flat, frame in reply:
+        for (raw_id, execution, flat), frame in zip(reply, frames, strict=True):
             job_hash = dict(zip(flat[::2], flat[1::2], strict=True))
             started.append(StartedJob(keys.as_text(raw_id), keys.as_text(execution), job_hash, frame, moment))
         return started

@@ -9,12 +9,18 @@ job (dequeue, registry cleanup, failure handling).
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from rq.job import Job
 
 from ortq.errors import UnknownJobFunction
 from ortq.keys import JOB_FUNC
+from ortq.serializer import MsgpackSerializer
 
 
 def infer(model: str) -> None:
@@ -24,23 +30,84 @@ def infer(model: str) -> None:
     raise RuntimeError(f"ortq jobs for model {model!r} must be run by `ortq worker`, not by a plain RQ worker")
 
 
+_CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
+
+
+def _undecodable(exc: Exception) -> str:
+    return f"job data cannot be decoded with ortq's msgpack serializer ({type(exc).__name__})"
+
+
+def _reason(func_name: object, instance: object, callbacks: Mapping[str, object]) -> str | None:
+    if func_name != JOB_FUNC:
+        return f"job names {func_name!r}; an ortq worker only runs {JOB_FUNC}"
+    if instance is not None:
+        return "job names a bound method; an ortq worker only runs a plain function"
+    for name, value in callbacks.items():
+        if value:
+            return f"job names a callback ({name}); ortq jobs have none"
+    return None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the worker's success path needs of an RQ job hash, read without building an RQ
+    ``Job`` (whose constructor and ``restore`` cost more than running a small model)."""
+
+    job_id: str
+    enqueued_at: datetime | None
+    result_ttl: int | None
+    failure_ttl: int | None
+    #: Why the job must not run (the same checks as OrtqJob.forbidden_reason), or None.
+    forbidden: str | None
+
+    @classmethod
+    def parse(cls, job_id: str, job_hash: Mapping[bytes, bytes]) -> JobRecord:
+        return cls(
+            job_id=job_id,
+            enqueued_at=_timestamp(job_hash.get(b"enqueued_at")),
+            result_ttl=_int(job_hash.get(b"result_ttl")),
+            failure_ttl=_int(job_hash.get(b"failure_ttl")),
+            forbidden=_forbidden(job_hash),
+        )
+
+
+def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
+    raw = job_hash.get(b"data", b"")
+    try:
+        with contextlib.suppress(zlib.error):
+            raw = zlib.decompress(raw)  # RQ compresses the data it writes; ortq producers do not
+        func_name, instance, _args, _kwargs = MsgpackSerializer.loads(raw)
+    except Exception as exc:  # anything a forged hash holds
+        return _undecodable(exc)
+    callbacks = {name: job_hash.get(name.encode()) for name in _CALLBACK_FIELDS}
+    return _reason(func_name, instance, callbacks)
+
+
+def _timestamp(raw: bytes | None) -> datetime | None:
+    try:
+        return datetime.fromisoformat(raw.decode()) if raw else None  # RQ's format, trailing Z (Python >= 3.11)
+    except ValueError:
+        return None
+
+
+def _int(raw: bytes | None) -> int | None:
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
 class OrtqJob(Job):
     """An RQ job that can only ever name :func:`infer`."""
 
     def forbidden_reason(self) -> str | None:
         """Why this job must not run, or None when it is a well-formed ortq job."""
         try:
-            func_name = self.func_name
+            func_name, instance = self.func_name, self._instance
         except Exception as exc:  # RQ raises DeserializationError for undecodable data
-            return f"job data cannot be decoded with ortq's msgpack serializer ({type(exc).__name__})"
-        if func_name != JOB_FUNC:
-            return f"job names {func_name!r}; an ortq worker only runs {JOB_FUNC}"
-        if self._instance is not None:
-            return "job names a bound method; an ortq worker only runs a plain function"
-        for attr in ("_success_callback_name", "_failure_callback_name", "_stopped_callback_name"):
-            if getattr(self, attr, None):
-                return f"job names a callback ({attr.strip('_')}); ortq jobs have none"
-        return None
+            return _undecodable(exc)
+        callbacks = {name: getattr(self, f"_{name}") for name in _CALLBACK_FIELDS}
+        return _reason(func_name, instance, callbacks)
 
     @property
     def func(self) -> Any:

@@ -16,7 +16,6 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ from rq.worker_registration import clean_worker_registry
 
 from ortq import keys, wire
 from ortq.errors import OrtqError, RequestExpired, UnknownJobFunction
-from ortq.rqjob import OrtqJob
+from ortq.rqjob import JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.worker.batch import batch_key, concat, group, split
@@ -50,17 +49,6 @@ _PERMANENT_ERRORS = (
     "UnknownJobFunction",
     "RequestExpired",
 )
-
-#: Job hash timestamps the success path does not need parsed (see OrtqWorker._job).
-_LAZY_DATES = frozenset((b"created_at", b"enqueued_at", b"started_at", b"ended_at", b"last_heartbeat"))
-
-
-def _parse_rq_time(raw: bytes) -> datetime | None:
-    try:
-        return datetime.fromisoformat(raw.decode())  # RQ's format, trailing Z included (Python >= 3.11)
-    except ValueError:
-        return None
-
 
 #: Seconds between worker heartbeats that are not part of a job's own pipelines.
 _HEARTBEAT_EVERY = 5.0
@@ -113,7 +101,7 @@ class OrtqWorker(SimpleWorker):
         self.bookkeeping = Bookkeeping(connection, self.name, queue.name, DEFAULT_WORKER_TTL + 60)
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000
-        self._batch: list[tuple[OrtqJob, StartedJob]] = []
+        self._batch: list[StartedJob] = []
         self._batch_wait = 0.0
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
@@ -246,9 +234,9 @@ class OrtqWorker(SimpleWorker):
                 batch += self._wait_for_more(queue, len(batch))
                 self._batch_wait = time.perf_counter() - waited
                 if batch:
-                    self._batch = [(self._job(started), started) for started in batch]
+                    self._batch = batch
                     self._state = WorkerStatus.BUSY
-                    return self._batch[0][0], queue
+                    return self._full_job(batch[0]), queue
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
             except redis.ConnectionError as exc:
                 log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)
@@ -272,14 +260,10 @@ class OrtqWorker(SimpleWorker):
             more += self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - have - len(more) - 1)
         return more
 
-    def _job(self, started: StartedJob) -> OrtqJob:
-        """The job as RQ would load it, minus the timestamps nothing on the success path reads
-        (RQ parses each with strptime, a large share of a small job's cost); ``_fail`` restores
-        it fully, since RQ's failure path saves the whole job back."""
+    def _full_job(self, started: StartedJob) -> OrtqJob:
+        """The job as RQ loads it, for RQ's own code paths (failure handling saves it whole)."""
         job = OrtqJob(id=started.job_id, connection=self.connection, serializer=MsgpackSerializer)
-        job.restore({k: v for k, v in started.job_hash.items() if k not in _LAZY_DATES})
-        enqueued = started.job_hash.get(b"enqueued_at")
-        job.enqueued_at = _parse_rq_time(enqueued) if enqueued else None
+        job.restore(started.job_hash)
         job.started_at = started.started_at
         return job
 
@@ -291,8 +275,8 @@ class OrtqWorker(SimpleWorker):
         """
         batch, self._batch = self._batch, []
         pending: list[_Pending] = []
-        for rq_job, started in batch:
-            item = self._prepare(rq_job, started, queue)
+        for started in batch:
+            item = self._prepare(started, queue)
             if item is not None:
                 pending.append(item)
         finished: list[FinishedJob] = []
@@ -303,21 +287,21 @@ class OrtqWorker(SimpleWorker):
         self.execution = None
         self._state = WorkerStatus.IDLE
 
-    def _prepare(self, job: OrtqJob, started: StartedJob, queue: Queue) -> _Pending | None:
+    def _prepare(self, started: StartedJob, queue: Queue) -> _Pending | None:
         """Decode and check one job's request; fail the job (and return None) if it is bad."""
+        job = JobRecord.parse(started.job_id, started.job_hash)
         timings: dict[str, float] = {}
         if job.enqueued_at is not None:
             timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
         if self.max_batch > 1:
             timings["batch_wait"] = self._batch_wait
         try:
-            reason = job.forbidden_reason()
-            if reason is not None:
-                log.error("refusing job %s: %s", job.id, reason)
-                raise UnknownJobFunction(reason)
+            if job.forbidden is not None:
+                log.error("refusing job %s: %s", job.job_id, job.forbidden)
+                raise UnknownJobFunction(job.forbidden)
             if started.frame is None:
                 raise RequestExpired(
-                    f"the request tensors of job {job.id} were gone when a worker took it "
+                    f"the request tensors of job {job.job_id} were gone when a worker took it "
                     "(its ttl passed, or they were deleted)"
                 )
             t0 = time.perf_counter()
@@ -325,7 +309,7 @@ class OrtqWorker(SimpleWorker):
             self.model.signature.check_inputs(request.inputs)
             timings["decode"] = time.perf_counter() - t0
         except Exception as exc:
-            self._fail(job, started, queue, exc, timings)
+            self._fail(started, queue, exc, timings)
             return None
         rows = next(iter(request.inputs.values())).shape[0] if self.max_batch > 1 and request.inputs else 1
         return _Pending(job, started, request.inputs, timings, rows)
@@ -340,7 +324,7 @@ class OrtqWorker(SimpleWorker):
             if len(members) > 1:
                 log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)
                 return [f for m in members for f in self._run_group([m], queue)]
-            self._fail(members[0].job, members[0].started, queue, exc, members[0].timings)
+            self._fail(members[0].started, queue, exc, members[0].timings)
             return []
         run = time.perf_counter() - t0
         finished = []
@@ -350,7 +334,7 @@ class OrtqWorker(SimpleWorker):
             frame = wire.encode_response(outputs_of_job, timings)
             timings["encode"] = time.perf_counter() - t1
             summary = {
-                "reply_key": keys.reply_key(member.job.id),
+                "reply_key": keys.reply_key(member.job.job_id),
                 "outputs": {name: [str(v.dtype), list(v.shape)] for name, v in outputs_of_job.items()},
                 "batch_size": len(members),
                 "timings": timings,
@@ -376,14 +360,12 @@ class OrtqWorker(SimpleWorker):
             pipe.delete(keys.request_key(job.id))
             pipe.execute()
 
-    def _fail(
-        self, job: OrtqJob, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]
-    ) -> None:
+    def _fail(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         """Fail one started job through RQ's own failure path (failed registry, retries)."""
         error_type = type(exc).__name__
         message = str(exc) or error_type
-        job.restore(started.job_hash)  # the full record: RQ's failure path writes all of it back
-        job.started_at, job.ended_at = started.started_at, now()
+        job = self._full_job(started)  # the full record: RQ's failure path writes all of it back
+        job.ended_at = now()
         if isinstance(exc, OrtqError) or error_type in _PERMANENT_ERRORS:
             job.retries_left = None  # the job itself is wrong: another attempt would fail the same way
         will_retry = bool(job.should_retry)
@@ -401,7 +383,7 @@ class OrtqWorker(SimpleWorker):
 class _Pending:
     """A job whose request decoded and fits the model, waiting for its group's run."""
 
-    job: OrtqJob
+    job: JobRecord
     started: StartedJob
     inputs: dict[str, np.ndarray]
     timings: dict[str, float]

@@ -84,23 +84,29 @@ for j = 0, n - 1 do
   redis.call('EXPIRE', reply, ARGV[b + 3])
   redis.call('HSET', 'rq:job:' .. ARGV[b], 'status', 'finished', 'ended_at', ARGV[b + 5])
 end
+local working, finished, wip = 0, {}, {}
 for j = 0, n - 1 do
   local b = 3 + 9 * j
   local id, execution, ttl = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 3])
   redis.call('DEL', 'ortq:req:' .. id)
-  redis.call('HINCRBY', KEYS[3], 'successful_job_count', 1)
-  redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', ARGV[b + 4])
+  working = working + tonumber(ARGV[b + 4])
   local results = 'rq:results:' .. id
   redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', ARGV[1],
              'return_value', ARGV[b + 6], 'execution_id', execution,
              'execution_started_at', ARGV[b + 7], 'execution_ended_at', ARGV[b + 8])
   redis.call('EXPIRE', results, ttl)
-  redis.call('ZADD', KEYS[1], math.floor(tonumber(ARGV[b + 8])) + ttl, id)
+  table.insert(finished, math.floor(tonumber(ARGV[b + 8])) + ttl)
+  table.insert(finished, id)
+  table.insert(wip, id .. ':' .. execution)
   redis.call('EXPIRE', 'rq:job:' .. id, ttl)
   redis.call('DEL', 'rq:execution:' .. id .. ':' .. execution)
-  redis.call('ZREM', KEYS[2], id .. ':' .. execution)
   redis.call('ZREM', 'rq:executions:' .. id, execution)
 end
+-- What RQ writes per job, written once for the batch.
+redis.call('ZADD', KEYS[1], unpack(finished))
+redis.call('ZREM', KEYS[2], unpack(wip))
+redis.call('HINCRBY', KEYS[3], 'successful_job_count', n)
+redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', tostring(working))
 redis.call('HDEL', KEYS[3], 'current_job')
 redis.call('HSET', KEYS[3], 'state', 'idle')
 return n

@@ -8,14 +8,18 @@ in one run on one machine:
 - drain: a burst of jobs enqueued at once, then all results awaited; jobs/s.
 
 Systems: ``direct`` (in-process ``session.run``: the floor), ``raw`` (bench/raw_worker.py: bare
-LPUSH/BRPOP, same codec and session), ``ortq`` (a real ``ortq worker`` process). The worker and
-``direct`` use the same intra-op thread count. Ratios are printed against ``direct`` (latency)
-and ``raw`` (drain). Results go to docs/performance.md with the command that produced them.
+LPUSH/BRPOP, same codec and session), ``plain RQ`` (bench/plain_rq_job.py: tensors pickled in
+the job's args, ``rq worker --worker-class rq.SimpleWorker``; at most 100 jobs, it is slow),
+``ortq`` (real ``ortq worker`` processes), unbatched and batched (``--max-batch``, 1 ms wait),
+with 1 and 2 workers. Every worker and ``direct`` use the same intra-op thread count. Ratios
+are printed against ``direct`` (latency) and ``raw`` (drain; raw has one worker). Results go
+to docs/performance.md with the command that produced them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -105,34 +109,92 @@ def measure_raw(model: Path, inputs: Inputs, url: str, threads: int, requests: i
     return Measured("raw", 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
 
 
-def measure_ortq(model: Path, inputs: Inputs, url: str, threads: int, requests: int, drain: int) -> Measured:
-    name = f"bench-{model.stem}"
+def _drain(submit_all: Callable[[], Callable[[], None]], drain: int) -> float:
+    """Jobs/s for a burst: ``submit_all`` enqueues every job and returns the function that waits for them."""
+    started = time.perf_counter()
+    submit_all()()
+    return drain / (time.perf_counter() - started)
+
+
+def measure_ortq(
+    model: Path, inputs: Inputs, url: str, threads: int, requests: int, drain: int, workers: int, max_batch: int
+) -> Measured:
+    name = f"bench-{model.stem}-{workers}-{max_batch}"
     command = [sys.executable, "-m", "ortq", "worker", "--model", str(model), "--name", name,
-               "--redis-url", url, "--threads", str(threads)]  # fmt: skip
-    worker = subprocess.Popen(command)
+               "--redis-url", url, "--threads", str(threads), "--max-batch", str(max_batch)]  # fmt: skip
+    if max_batch > 1:
+        command += ["--max-wait-ms", "1"]
+    processes = [subprocess.Popen(command) for _ in range(workers)]
     try:
         with Producer(settings=Settings.from_url(url)) as producer:
-            producer.wait_for_workers(name, 1, timeout=60)
+            producer.wait_for_workers(name, workers, timeout=60)
             samples = time_each(lambda: producer.infer(name, inputs, timeout=30), requests)
-            started = time.perf_counter()
-            jobs = producer.submit_many(name, [inputs] * drain)
-            for job in jobs:
-                job.result(timeout=60)
-            rate = drain / (time.perf_counter() - started)
+
+            def submit_all() -> Callable[[], None]:
+                jobs = producer.submit_many(name, [inputs] * drain)
+
+                def wait() -> None:
+                    producer.results(jobs, timeout=120)
+
+                return wait
+
+            rate = _drain(submit_all, drain)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(20)
+    label = "ortq" + (f" b{max_batch}" if max_batch > 1 else "") + (f" x{workers}" if workers > 1 else "")
+    return Measured(label, 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
+
+
+def measure_plain_rq(model: Path, inputs: Inputs, url: str, threads: int, requests: int, drain: int) -> Measured:
+    """RQ as a user would write it: tensors pickled in the job's args, a SimpleWorker, job.result polling."""
+    from rq import Queue
+    from rq.job import JobStatus
+
+    queue_name = f"bench-plain-{model.stem}"
+    env = {**os.environ, "BENCH_MODEL": str(model), "BENCH_THREADS": str(threads)}
+    command = [sys.executable, "-m", "rq.cli", "worker", "--worker-class", "rq.SimpleWorker", "--url", url,
+               "--quiet", queue_name]  # fmt: skip
+    worker = subprocess.Popen(command, env=env)
+    connection = redis.Redis.from_url(url)
+    queue = Queue(queue_name, connection=connection)
+    try:
+
+        def one() -> None:
+            job = queue.enqueue("bench.plain_rq_job.run", inputs)
+            while job.get_status(refresh=True) not in (JobStatus.FINISHED, JobStatus.FAILED):
+                time.sleep(0.0005)  # plain RQ has no blocking wait for a result
+            assert job.return_value() is not None
+
+        samples = time_each(one, min(requests, 100), warmup=5)
+
+        def submit_all() -> Callable[[], None]:
+            jobs = [queue.enqueue("bench.plain_rq_job.run", inputs) for _ in range(min(drain, 100))]
+
+            def wait() -> None:
+                for job in jobs:
+                    while job.get_status(refresh=True) not in (JobStatus.FINISHED, JobStatus.FAILED):
+                        time.sleep(0.0005)
+
+            return wait
+
+        rate = _drain(submit_all, min(drain, 100))
     finally:
         worker.terminate()
         worker.wait(20)
-    return Measured("ortq", 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
+    return Measured("plain RQ", 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
 
 
 def report(model: str, rows: list[Measured]) -> None:
     direct = next(r for r in rows if r.system == "direct")
     raw = next(r for r in rows if r.system == "raw")
     print(f"\n{model}")
-    print(f"{'system':8} {'p50 ms':>8} {'p99 ms':>8} {'p50 / direct':>13} {'drain jobs/s':>13} {'drain / raw':>12}")
+    print(f"{'system':12} {'p50 ms':>8} {'p99 ms':>8} {'p50 / direct':>13} {'drain jobs/s':>13} {'drain / raw':>12}")
     for r in rows:
         print(
-            f"{r.system:8} {r.p50_ms:8.3f} {r.p99_ms:8.3f} {r.p50_ms / direct.p50_ms:12.2f}x "
+            f"{r.system:12} {r.p50_ms:8.3f} {r.p99_ms:8.3f} {r.p50_ms / direct.p50_ms:12.2f}x "
             f"{r.drain_jobs_per_s:13.0f} {r.drain_jobs_per_s / raw.drain_jobs_per_s:11.2f}x"
         )
 
@@ -143,6 +205,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="sequential requests per system")
     parser.add_argument("--drain", type=int, default=300, help="jobs per drain burst")
     parser.add_argument("--models", default="tiny,conv", help="comma-separated: tiny, conv")
+    parser.add_argument("--max-batch", type=int, default=32, help="ortq batched runs: --max-batch")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     cases = {
@@ -155,10 +218,15 @@ def main() -> None:
             build, inputs = cases[name]
             model = build(Path(tmp) / f"{name}.onnx")
             shape = "x".join(str(d) for d in next(iter(inputs.values())).shape)
+            common = (args.threads, args.requests, args.drain)
             rows = [
-                measure_direct(model, inputs, args.threads, args.requests, args.drain),
-                measure_raw(model, inputs, server.url, args.threads, args.requests, args.drain),
-                measure_ortq(model, inputs, server.url, args.threads, args.requests, args.drain),
+                measure_direct(model, inputs, *common),
+                measure_raw(model, inputs, server.url, *common),
+                measure_plain_rq(model, inputs, server.url, *common),
+                measure_ortq(model, inputs, server.url, *common, workers=1, max_batch=1),
+                measure_ortq(model, inputs, server.url, *common, workers=1, max_batch=args.max_batch),
+                measure_ortq(model, inputs, server.url, *common, workers=2, max_batch=1),
+                measure_ortq(model, inputs, server.url, *common, workers=2, max_batch=args.max_batch),
             ]
             report(f"{name} model, input {shape}", rows)
 

@@ -58,6 +58,10 @@ class UnknownJobFunction(OrtqError):
     """A job names a callable other than ortq's inference function; it is failed without importing it."""
 
 
+class JobTimeout(OrtqError):
+    """The run took longer than the job's ``job_timeout``; ONNX Runtime was told to stop it."""
+
+
 class RequestExpired(OrtqError):
     """The job's request tensors were gone when a worker took it (its ttl passed before it started)."""
 

@@ -57,6 +57,7 @@ class JobRecord:
     enqueued_at: datetime | None
     result_ttl: int | None
     failure_ttl: int | None
+    timeout: int | None  # RQ's job timeout: seconds a run may take
     #: Why the job must not run (the same checks as OrtqJob.forbidden_reason), or None.
     forbidden: str | None
 
@@ -67,6 +68,7 @@ class JobRecord:
             enqueued_at=_timestamp(job_hash.get(b"enqueued_at")),
             result_ttl=_int(job_hash.get(b"result_ttl")),
             failure_ttl=_int(job_hash.get(b"failure_ttl")),
+            timeout=_int(job_hash.get(b"timeout")),
             forbidden=_forbidden(job_hash),
         )
 

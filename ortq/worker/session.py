@@ -9,6 +9,7 @@ Rules from the DirectML guide that shape this module:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class LoadedModel:
     device_id: int | None
     fell_back_to_cpu: bool
     output_names: list[str]
+
+    def run_options(self) -> Any:
+        return importlib.import_module("onnxruntime").RunOptions()
 
     def run(self, inputs: dict[str, np.ndarray], run_options: Any = None) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs, run_options)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from ortq import keys, wire
-from ortq.errors import OrtqError, RequestExpired, UnknownJobFunction
+from ortq.errors import JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
@@ -314,12 +315,35 @@ class OrtqWorker(SimpleWorker):
         rows = next(iter(request.inputs.values())).shape[0] if self.max_batch > 1 and request.inputs else 1
         return _Pending(job, started, request.inputs, timings, rows)
 
+    def _run_with_timeout(self, inputs: dict[str, np.ndarray], timeout: float | None) -> dict[str, np.ndarray]:
+        """``session.run``, stopped by ONNX Runtime itself (``RunOptions.terminate``, set from a
+        timer thread) once ``timeout`` seconds pass: RQ's timer-based timeouts cannot interrupt
+        native code."""
+        if timeout is None:
+            return self.model.run(inputs)
+        options = self.model.run_options()
+        timer = threading.Timer(timeout, setattr, (options, "terminate", True))
+        timer.start()
+        try:
+            return self.model.run(inputs, options)
+        except Exception as exc:
+            if options.terminate:
+                raise JobTimeout(f"the run was stopped after the job's timeout of {timeout:g} s") from exc
+            raise
+        finally:
+            timer.cancel()
+
     def _run_group(self, members: list[_Pending], queue: Queue) -> list[FinishedJob]:
         """One run for the group; if it fails, each job runs alone so that only the bad one fails."""
         t0 = time.perf_counter()
+        timeouts = [m.job.timeout for m in members if m.job.timeout is not None and m.job.timeout > 0]
         try:
-            outputs = self.model.run(concat([m.inputs for m in members]))
+            outputs = self._run_with_timeout(concat([m.inputs for m in members]), min(timeouts, default=None))
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
+        except JobTimeout as exc:
+            for member in members:  # running them again would only time out again
+                self._fail(member.started, queue, exc, member.timings)
+            return []
         except Exception as exc:
             if len(members) > 1:
                 log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)

@@ -1,0 +1,97 @@
+"""Reliability and security that is in place so far: no unpickling anywhere ortq reads Redis,
+and job timeouts that really stop a native ``session.run``."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortq import keys
+from ortq.errors import InferenceFailed
+from ortq.producer import Producer
+from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.serializer import MsgpackSerializer
+from ortq.settings import Settings
+from ortq.wire import encode_request
+from tests import onnx_models
+from tests.conftest import REPO, WorkerProcesses
+
+BAN = Path(__file__).parent / "pickle_ban"
+
+
+def test_nothing_is_unpickled_in_a_full_run(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    trap = tmp_path / "trap.log"
+    # Subprocesses (workers, the CLI) load the ban through sitecustomize; this process patches it in.
+    monkeypatch.setenv("PYTHONPATH", f"{BAN}:{REPO}")
+    monkeypatch.setenv("ORTQ_PICKLE_TRAP", str(trap))
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        trap.write_text("pickle used in the test process\n")
+        raise RuntimeError("unpickling is banned in this test")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "4")
+    producer = Producer(settings=Settings.from_url(redis_url), validate=False)
+    x = np.ones((2, 4), np.float32)
+    good = producer.submit_many(model_name, [{"x": x}] * 5)
+    bad = producer.submit(model_name, {"x": np.ones((2, 3), np.float32)})
+    with producer.connection.pipeline() as pipe:
+        forged_id = add_enqueue(pipe, model_name, encode_request({"x": x}), JobOptions(60, 60, 60))
+        pipe.execute()
+    # A job hash as an attacker would write it: pickled data naming a callable.
+    pickled = b"\x80\x04\x95" + MsgpackSerializer.dumps(["os.system"])
+    producer.connection.hset(keys.job_key(forged_id), "data", pickled)
+    for outputs in producer.results(good, timeout=30):
+        np.testing.assert_array_equal(outputs["y"], x * 2 + 1)
+    with pytest.raises(InferenceFailed, match="InvalidInput"):
+        bad.result(timeout=30)
+    with pytest.raises(InferenceFailed, match="UnknownJobFunction"):
+        producer.job(forged_id, model_name).result(timeout=30)
+    info = subprocess.run([sys.executable, "-m", "ortq", "info", "--redis-url", redis_url], check=False,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert info.returncode == 0 and f"model {model_name}" in info.stdout, info.stderr
+    np.save(tmp_path / "x.npy", x)
+    command = [sys.executable, "-m", "ortq", "infer", model_name, "--input", f"x={tmp_path / 'x.npy'}",
+               "--redis-url", redis_url]  # fmt: skip
+    infer = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert infer.returncode == 0, infer.stderr
+    assert all(p.poll() is None for p, _ in workers.processes), workers.logs()
+    assert not trap.exists(), trap.read_text()
+    # The ban is real: the trap fires where pickle is used.
+    probe = subprocess.run([sys.executable, "-c", "import pickle; pickle.loads(pickle.dumps(1))"], check=False,
+                           capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode != 0 and trap.exists()
+
+
+def test_job_timeout_stops_a_running_session_run(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path
+) -> None:
+    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
+    workers.serve(slow, model_name, redis_url)
+    x = {"x": np.ones((1, 256), np.float32)}
+    session = ort.InferenceSession(str(slow), providers=["CPUExecutionProvider"])
+    started = time.perf_counter()
+    session.run(None, x)
+    unstopped = time.perf_counter() - started
+    assert unstopped > 1.5  # the model really outlasts the timeout
+    started = time.perf_counter()
+    job = producer.submit(model_name, x, job_timeout=1)
+    response = producer.wait_response(job.id, 60)
+    # Stopped near the timeout, not when the run would have ended by itself.
+    assert time.perf_counter() - started < unstopped
+    assert response.error is not None and response.error.type == "JobTimeout", response
+    assert "timeout of 1 s" in response.error.message
+    assert job.status() == "failed"
+    ok = producer.infer(model_name, x, timeout=60)
+    assert ok["y"].shape == (1, 256)

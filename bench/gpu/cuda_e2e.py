@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from bench.latency import time_each
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
@@ -86,23 +87,11 @@ def check_worker(
 def speed(producer: Producer, model: Path, name: str, url: str, requests: int = 300) -> dict[str, float]:
     x = {"image": np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)}
     session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])
-    for _ in range(50):
-        session.run(None, x)
-    direct = []
-    for _ in range(requests):
-        t = time.perf_counter()
-        session.run(None, x)
-        direct.append(time.perf_counter() - t)
+    direct = time_each(lambda: session.run(None, x), requests, warmup=50)
     process = start_worker(model, name, url, "0")
     try:
         producer.wait_for_workers(name, 1, timeout=120)
-        for _ in range(30):
-            producer.infer(name, x)
-        queued = []
-        for _ in range(requests):
-            t = time.perf_counter()
-            producer.infer(name, x)
-            queued.append(time.perf_counter() - t)
+        queued = time_each(lambda: producer.infer(name, x), requests, warmup=30)
         t = time.perf_counter()
         producer.results(producer.submit_many(name, [x] * requests), timeout=60)
         drain = requests / (time.perf_counter() - t)

@@ -58,6 +58,7 @@ class JobRecord:
     result_ttl: int | None
     failure_ttl: int | None
     timeout: int | None  # RQ's job timeout: seconds a run may take
+    ttl: int | None  # seconds the job may wait in the queue
     #: Why the job must not run (the same checks as OrtqJob.forbidden_reason), or None.
     forbidden: str | None
 
@@ -69,6 +70,7 @@ class JobRecord:
             result_ttl=_int(job_hash.get(b"result_ttl")),
             failure_ttl=_int(job_hash.get(b"failure_ttl")),
             timeout=_int(job_hash.get(b"timeout")),
+            ttl=_int(job_hash.get(b"ttl")),
             forbidden=_forbidden(job_hash),
         )
 

@@ -95,3 +95,17 @@ def test_job_timeout_stops_a_running_session_run(
     assert job.status() == "failed"
     ok = producer.infer(model_name, x, timeout=60)
     assert ok["y"].shape == (1, 256)
+
+
+def test_a_job_past_its_ttl_fails_with_a_reason(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    late = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, ttl=1)
+    time.sleep(1.5)  # no worker yet: the job outlives its ttl in the queue
+    workers.serve(tiny_path, model_name, redis_url)
+    with pytest.raises(InferenceFailed) as caught:
+        late.result(timeout=30)
+    assert caught.value.remote_type == "RequestExpired"
+    assert late.status() == "failed"
+    fresh = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, ttl=30)
+    np.testing.assert_array_equal(fresh.result(timeout=30)["y"], np.full((1, 4), 3, np.float32))

@@ -58,7 +58,9 @@ def add_enqueue(pipe: Any, model: str, frame: bytes, options: JobOptions, job_id
     pipe.set(keys.request_key(job_id), frame, ex=request_ttl)
     pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, rq_timestamp()))
     if options.ttl is not None:
-        pipe.expire(keys.job_key(job_id), options.ttl)
+        # The job's record outlives its ttl by failure_ttl, so that the worker that finds it too
+        # late can fail it with a reason (RequestExpired) instead of it silently vanishing.
+        pipe.expire(keys.job_key(job_id), options.ttl + options.failure_ttl)
     pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
     pipe.rpush(keys.queue_key(model), job_id)
     return job_id

@@ -300,6 +300,11 @@ class OrtqWorker(SimpleWorker):
             if job.forbidden is not None:
                 log.error("refusing job %s: %s", job.job_id, job.forbidden)
                 raise UnknownJobFunction(job.forbidden)
+            waited = timings.get("queue")
+            if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
+                raise RequestExpired(
+                    f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s"
+                )
             if started.frame is None:
                 raise RequestExpired(
                     f"the request tensors of job {job.job_id} were gone when a worker took it "

@@ -32,6 +32,10 @@ class UnsupportedDtype(InvalidInput):
     """An array whose dtype has no ONNX tensor type ortq carries (object, str, complex, datetime, ...)."""
 
 
+class QueueFull(OrtqError):
+    """The model's queue already holds ``max_queue_length`` jobs; nothing was enqueued."""
+
+
 class ModelNotFound(OrtqError):
     """No worker has published a model under this name (or its record expired)."""
 

@@ -34,6 +34,8 @@ class Settings:
     failure_ttl: int = 24 * 3600
     #: Largest request or response frame accepted, checked before decoding.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: Backpressure: ``submit`` raises QueueFull once a model's queue holds this many jobs (0: no limit).
+    max_queue_length: int = 0
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -45,6 +47,8 @@ class Settings:
         for name in ("request_ttl", "result_ttl", "failure_ttl", "max_frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue_length < 0:
+            raise ConfigurationError(f"max_queue_length must be >= 0, got {self.max_queue_length}")
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> Settings:

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+import redis
 
 from ortq import keys
-from ortq.errors import InferenceFailed
+from ortq.errors import InferenceFailed, PayloadTooLarge, QueueFull
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.serializer import MsgpackSerializer
@@ -109,3 +110,26 @@ def test_a_job_past_its_ttl_fails_with_a_reason(
     assert late.status() == "failed"
     fresh = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, ttl=30)
     np.testing.assert_array_equal(fresh.result(timeout=30)["y"], np.full((1, 4), 3, np.float32))
+
+
+def test_backpressure_and_payload_limits(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, monkeypatch: pytest.MonkeyPatch,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    bounded = Producer(settings=Settings.from_url(redis_url, max_queue_length=3))
+    x = {"x": np.ones((1, 4), np.float32)}
+    bounded.submit_many(model_name, [x, x])
+    with pytest.raises(QueueFull, match="holds 2 jobs; 2 more would pass max_queue_length"):
+        bounded.submit_many(model_name, [x, x])
+    assert connection.llen(keys.queue_key(model_name)) == 2  # nothing of the refused batch went in
+    small = Producer(settings=Settings.from_url(redis_url, max_frame_bytes=200))
+    with pytest.raises(PayloadTooLarge):
+        small.submit(model_name, {"x": np.ones((50, 4), np.float32)})
+    # The worker's own limit, checked before decoding: a frame over it fails that job alone.
+    monkeypatch.setenv("ORTQ_MAX_FRAME_BYTES", "1000")
+    workers.serve(tiny_path, model_name, redis_url)
+    big = Producer(settings=Settings.from_url(redis_url)).submit(model_name, {"x": np.ones((100, 4), np.float32)})
+    with pytest.raises(InferenceFailed) as caught:
+        big.result(timeout=30)
+    assert caught.value.remote_type == "PayloadTooLarge"
+    np.testing.assert_array_equal(bounded.infer(model_name, x, timeout=30)["y"], np.full((1, 4), 3, np.float32))

@@ -15,7 +15,7 @@ import numpy as np
 import redis
 
 from ortq import keys, wire
-from ortq.errors import InferenceFailed, JobNotFound, ResultTimeout
+from ortq.errors import InferenceFailed, JobNotFound, PayloadTooLarge, QueueFull, ResultTimeout
 from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
@@ -107,7 +107,13 @@ class Producer:
             # With no worker published yet there is nothing to check against; the worker checks again.
             if signature is not None:
                 signature.check_inputs(arrays)
-        return wire.encode_request(arrays)
+        frame = wire.encode_request(arrays)
+        if len(frame) > self.settings.max_frame_bytes:
+            raise PayloadTooLarge(
+                f"the request is {len(frame)} bytes, over max_frame_bytes ({self.settings.max_frame_bytes}): "
+                "workers would refuse it"
+            )
+        return frame
 
     def _options(self, ttl: int | None, job_timeout: int | None) -> JobOptions:
         return JobOptions(
@@ -146,6 +152,15 @@ class Producer:
         """Validate every job first, then enqueue them all in one MULTI/EXEC round trip."""
         keys.check_model_name(model)
         frames = [self._encode(model, inputs) for inputs in many_inputs]
+        limit = self.settings.max_queue_length
+        if limit:
+            # Checked before the MULTI: several producers at once can overshoot by their batches.
+            queued = self.connection.llen(keys.queue_key(model))
+            if queued + len(frames) > limit:
+                raise QueueFull(
+                    f"queue {keys.queue_name(model)} holds {queued} jobs; {len(frames)} more would pass "
+                    f"max_queue_length ({limit})"
+                )
         options = self._options(ttl, job_timeout)
         with self.connection.pipeline(transaction=True) as pipe:
             ids = [add_enqueue(pipe, model, frame, options) for frame in frames]

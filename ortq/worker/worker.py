@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,6 +106,7 @@ class OrtqWorker(SimpleWorker):
         self.max_wait = max_wait_ms / 1000
         self._batch: list[StartedJob] = []
         self._batch_wait = 0.0
+        self._idle_slice = 1.0 if sys.platform == "win32" else settings.block_slice
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
         self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
@@ -220,16 +223,26 @@ class OrtqWorker(SimpleWorker):
         """
         queue = self.queues[0]
         self.set_state(WorkerStatus.IDLE)
-        block = timeout if max_idle_time is None else min(timeout or max_idle_time, max_idle_time)
+        idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
         backoff = 1.0
         while True:
             try:
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
-                raw_id = self._pop(queue, block)
-                if raw_id is None:
-                    return None
+                if timeout is None:  # burst: never block
+                    raw_id = self._pop(queue, None)
+                    if raw_id is None:
+                        return None
+                else:
+                    # Block in short slices: on Windows a signal does not interrupt a blocking
+                    # socket read, so a stop request is only seen once the read returns.
+                    left = math.inf if idle_until is None else idle_until - time.monotonic()
+                    raw_id = self._pop(queue, max(0.01, min(self._idle_slice, left)))
+                    if raw_id is None:
+                        if idle_until is not None and time.monotonic() >= idle_until:
+                            return None
+                        continue
                 batch = self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - 1)
                 waited = time.perf_counter()
                 batch += self._wait_for_more(queue, len(batch))

@@ -8,4 +8,9 @@ ortq_venv "worker,dev"
 .venv/bin/ruff check ortq tests bench scripts
 .venv/bin/ruff format --check ortq tests bench scripts
 .venv/bin/mypy
+# The Windows layer (tests/windows: the real worker on Windows CPython with DirectML, under Wine)
+# needs root and apt; CI always builds it (and its tests then must run), elsewhere ORTQ_WINE=1 asks.
+if [ "${CI:-}" = "true" ] || [ "${ORTQ_WINE:-0}" = "1" ]; then
+    bash tests/windows/setup.sh
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -243,14 +243,17 @@ class OrtqWorker(SimpleWorker):
                         if idle_until is not None and time.monotonic() >= idle_until:
                             return None
                         continue
+                # Busy from here: a stop request now waits for the job instead of abandoning it
+                # between the start script (status "started") and its run.
+                self._state = WorkerStatus.BUSY
                 batch = self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - 1)
                 waited = time.perf_counter()
                 batch += self._wait_for_more(queue, len(batch))
                 self._batch_wait = time.perf_counter() - waited
                 if batch:
                     self._batch = batch
-                    self._state = WorkerStatus.BUSY
                     return self._full_job(batch[0]), queue
+                self._state = WorkerStatus.IDLE
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
             except redis.ConnectionError as exc:
                 log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)

@@ -36,10 +36,6 @@ class QueueFull(OrtqError):
     """The model's queue already holds ``max_queue_length`` jobs; nothing was enqueued."""
 
 
-class ModelNotFound(OrtqError):
-    """No worker has published a model under this name (or its record expired)."""
-
-
 class InferenceFailed(OrtqError):
     """The worker could not run the job; ``remote_type`` and ``remote_message`` say why."""
 

@@ -7,7 +7,7 @@ same fields, so a deployment can be configured either way.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis
@@ -72,9 +72,6 @@ class Settings:
                 raise ConfigurationError(f"ORTQ_{field.name.upper()}={raw!r}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-    def with_changes(self, **changes: Any) -> Settings:
-        return replace(self, **changes)
 
     @property
     def block_slice(self) -> float:

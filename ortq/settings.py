@@ -34,6 +34,8 @@ class Settings:
     failure_ttl: int = 24 * 3600
     #: Largest request or response frame accepted, checked before decoding.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: Seconds between a worker's heartbeats while a run is in progress.
+    heartbeat_seconds: float = 10.0
     #: Backpressure: ``submit`` raises QueueFull once a model's queue holds this many jobs (0: no limit).
     max_queue_length: int = 0
 
@@ -47,6 +49,8 @@ class Settings:
         for name in ("request_ttl", "result_ttl", "failure_ttl", "max_frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_seconds <= 0:
+            raise ConfigurationError(f"heartbeat_seconds must be positive, got {self.heartbeat_seconds}")
         if self.max_queue_length < 0:
             raise ConfigurationError(f"max_queue_length must be >= 0, got {self.max_queue_length}")
 

@@ -133,3 +133,24 @@ def test_backpressure_and_payload_limits(
         big.result(timeout=30)
     assert caught.value.remote_type == "PayloadTooLarge"
     np.testing.assert_array_equal(bounded.infer(model_name, x, timeout=30)["y"], np.full((1, 4), 3, np.float32))
+
+
+def test_the_heartbeat_goes_on_during_a_long_run(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
+    workers.serve(slow, model_name, redis_url)
+    job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
+    wip = f"rq:wip:{keys.queue_name(model_name)}"
+    deadline = time.monotonic() + 30
+    while not connection.zcard(wip) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [(entry, first_score)] = connection.zrange(wip, 0, -1, withscores=True)
+    first_beat = connection.hget(keys.job_key(job.id), "last_heartbeat")
+    time.sleep(1.6)  # the run takes seconds; the pulse beats every 0.5 s meanwhile
+    assert job.status() == "started"
+    assert connection.zscore(wip, entry) > first_score  # type: ignore[operator]
+    assert connection.hget(keys.job_key(job.id), "last_heartbeat") != first_beat
+    assert job.result(timeout=60)["y"].shape == (1, 256)

@@ -39,6 +39,7 @@ from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
+from ortq.worker.pulse import Pulse
 from ortq.worker.session import LoadedModel
 
 log = logging.getLogger("ortq.worker")
@@ -107,6 +108,7 @@ class OrtqWorker(SimpleWorker):
         self._batch: list[StartedJob] = []
         self._batch_wait = 0.0
         self._idle_slice = 1.0 if sys.platform == "win32" else settings.block_slice
+        self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
         self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
@@ -138,12 +140,14 @@ class OrtqWorker(SimpleWorker):
 
     def register_birth(self) -> None:
         super().register_birth()
+        self.pulse.start()
         with self.connection.pipeline(transaction=False) as pipe:
             self._publish(pipe)
             pipe.execute()
         log.info("worker %s serving model %r on %s", self.name, self.identity.model, self.identity.provider)
 
     def register_death(self) -> None:
+        self.pulse.stop()
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.delete(keys.worker_key(self.name))
             pipe.srem(keys.WORKERS_SET, self.name)
@@ -336,6 +340,21 @@ class OrtqWorker(SimpleWorker):
         rows = next(iter(request.inputs.values())).shape[0] if self.max_batch > 1 and request.inputs else 1
         return _Pending(job, started, request.inputs, timings, rows)
 
+    def _beat_during_run(self, members: list[_Pending]) -> None:
+        """What RQ's heartbeats would keep fresh, for a run that is still going: the worker's
+        hash and ortq's records, and each running job's started-registry entry and execution."""
+        moment = now()
+        with self.connection.pipeline(transaction=False) as pipe:
+            super().heartbeat(self.worker_ttl + 60, pipeline=pipe)
+            self._publish(pipe)
+            for member in members:
+                ttl = (member.job.timeout or DEFAULT_WORKER_TTL) + 60
+                composite = f"{member.job.job_id}:{member.started.execution_id}"
+                pipe.zadd(f"rq:wip:{self.bookkeeping.queue_name}", {composite: int(time.time()) + ttl}, xx=True)
+                pipe.expire(f"rq:execution:{composite}", ttl)
+                pipe.hset(keys.job_key(member.job.job_id), "last_heartbeat", moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+            pipe.execute()
+
     def _run_with_timeout(self, inputs: dict[str, np.ndarray], timeout: float | None) -> dict[str, np.ndarray]:
         """``session.run``, stopped by ONNX Runtime itself (``RunOptions.terminate``, set from a
         timer thread) once ``timeout`` seconds pass: RQ's timer-based timeouts cannot interrupt
@@ -359,7 +378,8 @@ class OrtqWorker(SimpleWorker):
         t0 = time.perf_counter()
         timeouts = [m.job.timeout for m in members if m.job.timeout is not None and m.job.timeout > 0]
         try:
-            outputs = self._run_with_timeout(concat([m.inputs for m in members]), min(timeouts, default=None))
+            with self.pulse.running(members):
+                outputs = self._run_with_timeout(concat([m.inputs for m in members]), min(timeouts, default=None))
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
         except JobTimeout as exc:
             for member in members:  # running them again would only time out again

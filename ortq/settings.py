@@ -35,7 +35,7 @@ class Settings:
     #: Largest request or response frame accepted, checked before decoding.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     #: Seconds between a worker's heartbeats while a run is in progress.
-    heartbeat_seconds: float = 10.0
+    heartbeat_seconds: float = 5.0
     #: Backpressure: ``submit`` raises QueueFull once a model's queue holds this many jobs (0: no limit).
     max_queue_length: int = 0
 

@@ -154,3 +154,34 @@ def test_the_heartbeat_goes_on_during_a_long_run(
     assert connection.zscore(wip, entry) > first_score  # type: ignore[operator]
     assert connection.hget(keys.job_key(job.id), "last_heartbeat") != first_beat
     assert job.result(timeout=60)["y"].shape == (1, 256)
+
+
+def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    import json
+    import os
+    import signal
+
+    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "1")
+    workers.serve(slow, model_name, redis_url, 2)
+    x = {"x": np.ones((1, 256), np.float32)}
+    job = producer.submit(model_name, x)
+    deadline = time.monotonic() + 30
+    while job.status() != "started" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim = connection.hget(keys.job_key(job.id), "worker_name")
+    assert victim is not None
+    record = json.loads(connection.get(keys.worker_key(victim.decode())) or b"{}")
+    killed_at = time.monotonic()
+    os.kill(record["pid"], signal.SIGKILL)
+    outputs = job.result(timeout=60)  # the survivor takes it back and runs it again
+    assert time.monotonic() - killed_at < 30 + 10  # detected within 30 s (plus one run of the model)
+    session = ort.InferenceSession(str(slow), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
+    assert connection.hget(keys.job_key(job.id), "ortq_recoveries") == b"1"
+    assert connection.hget(keys.job_key(job.id), "worker_name") != victim
+    assert connection.llen(keys.reply_key(job.id)) == 1  # answered once
+    assert job.status() == "finished"

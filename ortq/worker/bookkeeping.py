@@ -76,8 +76,14 @@ return started
 #       working seconds, ended (ISO), return value (base64 msgpack), started (epoch s), ended (epoch s)
 _FINISH = """
 local n = tonumber(ARGV[2])
+-- Fencing: a job whose started-registry entry is gone was recovered from this worker (taken
+-- for dead) and requeued; its answer now belongs to the next execution, so it is not written.
+local live = {}
 for j = 0, n - 1 do
   local b = 3 + 9 * j
+  if redis.call('ZSCORE', KEYS[2], ARGV[b] .. ':' .. ARGV[b + 1]) then table.insert(live, b) end
+end
+for _, b in ipairs(live) do
   local reply = 'ortq:reply:' .. ARGV[b]
   redis.call('DEL', reply)
   redis.call('RPUSH', reply, ARGV[b + 2])
@@ -85,8 +91,7 @@ for j = 0, n - 1 do
   redis.call('HSET', 'rq:job:' .. ARGV[b], 'status', 'finished', 'ended_at', ARGV[b + 5])
 end
 local working, finished, wip = 0, {}, {}
-for j = 0, n - 1 do
-  local b = 3 + 9 * j
+for _, b in ipairs(live) do
   local id, execution, ttl = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 3])
   redis.call('DEL', 'ortq:req:' .. id)
   working = working + tonumber(ARGV[b + 4])
@@ -102,14 +107,44 @@ for j = 0, n - 1 do
   redis.call('DEL', 'rq:execution:' .. id .. ':' .. execution)
   redis.call('ZREM', 'rq:executions:' .. id, execution)
 end
--- What RQ writes per job, written once for the batch.
-redis.call('ZADD', KEYS[1], unpack(finished))
-redis.call('ZREM', KEYS[2], unpack(wip))
-redis.call('HINCRBY', KEYS[3], 'successful_job_count', n)
-redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', tostring(working))
+if #live > 0 then
+  -- What RQ writes per job, written once for the batch.
+  redis.call('ZADD', KEYS[1], unpack(finished))
+  redis.call('ZREM', KEYS[2], unpack(wip))
+  redis.call('HINCRBY', KEYS[3], 'successful_job_count', #live)
+  redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', tostring(working))
+end
 redis.call('HDEL', KEYS[3], 'current_job')
 redis.call('HSET', KEYS[3], 'state', 'idle')
-return n
+return #live
+"""
+
+# Take back a job whose worker died while running it (its started-registry entry is still there
+# but the worker's heartbeat stopped): requeue it at the front, or fail it once it has been
+# taken back ARGV[4] times. Atomic, so of several surviving workers exactly one recovers it.
+# KEYS: wip registry, queue, failed registry
+# ARGV: job id, execution id, reason, max recoveries, failure ttl, now (epoch s), error frame
+_RECOVER = """
+local composite = ARGV[1] .. ':' .. ARGV[2]
+if redis.call('ZREM', KEYS[1], composite) == 0 then return false end
+local job = 'rq:job:' .. ARGV[1]
+redis.call('DEL', 'rq:execution:' .. composite)
+redis.call('ZREM', 'rq:executions:' .. ARGV[1], ARGV[2])
+if redis.call('EXISTS', job) == 0 then return 'gone' end
+local times = redis.call('HINCRBY', job, 'ortq_recoveries', 1)
+if times > tonumber(ARGV[4]) then
+  redis.call('HSET', job, 'status', 'failed', 'exc_info', ARGV[3])
+  redis.call('ZADD', KEYS[3], math.floor(tonumber(ARGV[6])) + tonumber(ARGV[5]), ARGV[1])
+  local reply = 'ortq:reply:' .. ARGV[1]
+  redis.call('DEL', reply)
+  redis.call('RPUSH', reply, ARGV[7])
+  redis.call('EXPIRE', reply, ARGV[5])
+  redis.call('DEL', 'ortq:req:' .. ARGV[1])
+  return 'failed'
+end
+redis.call('HSET', job, 'status', 'queued')
+redis.call('LPUSH', KEYS[2], ARGV[1])
+return 'requeued'
 """
 
 
@@ -149,6 +184,7 @@ class Bookkeeping:
         self._connection = connection
         self._start = connection.register_script(_START)
         self._finish = connection.register_script(_FINISH)
+        self._recover = connection.register_script(_RECOVER)
         self._start_keys = [
             f"rq:queue:{queue_name}",
             f"rq:queue:{queue_name}:intermediate",
@@ -199,3 +235,59 @@ class Bookkeeping:
                 ended.timestamp(),
             ]
         self._finish(keys=self._finish_keys, args=args)
+
+    def abandoned(self, dead_after: float) -> list[tuple[str, str, str]]:
+        """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
+        no heartbeat for ``dead_after`` seconds (or whose records are gone)."""
+        wip = f"rq:wip:{self.queue_name}"
+        entries = [keys.as_text(e) for e in cast(list[bytes], self._connection.zrange(wip, 0, -1))]
+        if not entries:
+            return []
+        with self._connection.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                pipe.hget(f"rq:execution:{entry}", "worker_name")
+            owners = [None if w is None else keys.as_text(w) for w in pipe.execute()]
+        names = sorted({w for w in owners if w and w != self.worker_name})
+        with self._connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(f"rq:worker:{name}", "last_heartbeat")
+            beats = dict(zip(names, pipe.execute(), strict=True))
+        now = datetime.now(UTC)
+        found = []
+        for entry, owner in zip(entries, owners, strict=True):
+            if owner == self.worker_name:
+                continue
+            beat = beats.get(owner) if owner else None
+            last = _parse_time(beat)
+            if last is None or (now - last).total_seconds() > dead_after:
+                job_id, _, execution_id = entry.rpartition(":")
+                found.append((job_id, execution_id, owner or "?"))
+        return found
+
+    def recover(
+        self, job_id: str, execution_id: str, max_recoveries: int, failure_ttl: int, error: bytes
+    ) -> str | None:
+        """Requeue (or, past ``max_recoveries``, fail) an abandoned job; None if another worker
+        recovered it first."""
+        result = self._recover(
+            keys=[f"rq:wip:{self.queue_name}", f"rq:queue:{self.queue_name}", f"rq:failed:{self.queue_name}"],
+            args=[
+                job_id,
+                execution_id,
+                "WorkerLost",
+                max_recoveries,
+                failure_ttl,
+                datetime.now(UTC).timestamp(),
+                error,
+            ],
+        )
+        return None if result is None else keys.as_text(result)
+
+
+def _parse_time(raw: bytes | str | None) -> datetime | None:
+    if raw is None:
+        return None
+    try:
+        return datetime.fromisoformat(keys.as_text(raw))
+    except ValueError:
+        return None

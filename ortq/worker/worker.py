@@ -54,6 +54,9 @@ _PERMANENT_ERRORS = (
     "RequestExpired",
 )
 
+#: How many times a job may be taken back from a dead worker before it is failed instead.
+MAX_RECOVERIES = 2
+
 #: Seconds between worker heartbeats that are not part of a job's own pipelines.
 _HEARTBEAT_EVERY = 5.0
 
@@ -107,7 +110,8 @@ class OrtqWorker(SimpleWorker):
         self.max_wait = max_wait_ms / 1000
         self._batch: list[StartedJob] = []
         self._batch_wait = 0.0
-        self._idle_slice = 1.0 if sys.platform == "win32" else settings.block_slice
+        self._idle_slice = 1.0 if sys.platform == "win32" else min(settings.block_slice, settings.heartbeat_seconds)
+        self._last_recovery_scan = 0.0
         self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
@@ -234,6 +238,7 @@ class OrtqWorker(SimpleWorker):
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
+                self._recover_abandoned()
                 if timeout is None:  # burst: never block
                     raw_id = self._pop(queue, None)
                     if raw_id is None:
@@ -263,6 +268,22 @@ class OrtqWorker(SimpleWorker):
                 log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 60.0)
+
+    def _recover_abandoned(self) -> None:
+        """Take back jobs whose worker died mid-run (SIGKILL, OOM, a GPU reset): their started
+        entry stays while their worker's heartbeat, kept up even during a run (pulse.py), stops.
+        Such a job is requeued at the front, or failed with WorkerLost once it has killed
+        MAX_RECOVERIES workers (a job that crashes every worker must not crash them all)."""
+        beat = self.settings.heartbeat_seconds
+        if time.monotonic() - self._last_recovery_scan < beat / 2:
+            return
+        self._last_recovery_scan = time.monotonic()
+        for job_id, execution_id, owner in self.bookkeeping.abandoned(dead_after=3 * beat):
+            message = f"worker {owner} stopped sending heartbeats while running this job (it died or hung)"
+            error = wire.encode_error("WorkerLost", f"{message}; it was taken back {MAX_RECOVERIES} times")
+            outcome = self.bookkeeping.recover(job_id, execution_id, MAX_RECOVERIES, self.settings.failure_ttl, error)
+            if outcome:
+                log.warning("job %s: %s; %s", job_id, message, outcome)
 
     def _pop(self, queue: Queue, block: float | None) -> bytes | None:
         if block is None:

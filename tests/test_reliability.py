@@ -185,3 +185,44 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     assert connection.hget(keys.job_key(job.id), "worker_name") != victim
     assert connection.llen(keys.reply_key(job.id)) == 1  # answered once
     assert job.status() == "finished"
+
+
+def _gather_model(path: Path) -> Path:
+    """y = table[i]: a run fails inside ONNX Runtime (not in ortq's checks) when i is out of range."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.arange(4, dtype=np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "i"], ["y"])], "gather",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])], initializer=[table],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_a_failing_run_is_retried_with_backoff_then_fails(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    workers.serve(_gather_model(models_dir / "gather.onnx"), model_name, redis_url)
+    started = time.monotonic()
+    job = producer.submit(model_name, {"i": np.array([7])}, retries=2, retry_backoff=1)
+    with pytest.raises(InferenceFailed) as caught:
+        job.result(timeout=60)
+    # Three runs, one and then two seconds apart: only the last failure is answered.
+    assert time.monotonic() - started >= 3
+    assert caught.value.remote_type not in ("InvalidInput", "WireFormatError")
+    assert connection.hget(keys.job_key(job.id), "retries_left") == b"0"
+    assert job.status() == "failed"
+    # Bad input is never retried: it would fail the same way.
+    unchecked = Producer(settings=Settings.from_url(redis_url), validate=False)
+    bad = unchecked.submit(model_name, {"i": np.array([0.5])}, retries=3)
+    with pytest.raises(InferenceFailed, match="InvalidInput"):
+        bad.result(timeout=30)
+    assert connection.hget(keys.job_key(bad.id), "retries_left") == b"3"
+    good = producer.infer(model_name, {"i": np.array([3, 1])}, timeout=30)
+    np.testing.assert_array_equal(good["y"], [3.0, 1.0])

@@ -7,6 +7,7 @@ the request frame goes in the same MULTI/EXEC as the job that points to it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +31,8 @@ class JobOptions:
     failure_ttl: int
     ttl: int | None = None  # seconds the job may wait in the queue before it is dropped
     job_timeout: int | None = None  # seconds a run may take (RQ's "timeout" field)
+    retries: int = 0  # how many times a run that fails (other than for bad input) is tried again
+    retry_backoff: int = 0  # seconds before the first retry, doubling for each next one; 0: at once
 
 
 def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
@@ -48,6 +51,11 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
         fields["ttl"] = options.ttl
     if options.job_timeout is not None:
         fields["timeout"] = options.job_timeout
+    if options.retries:
+        # RQ's own retry fields: its failure handling requeues (or schedules) the job.
+        fields["retries_left"] = options.retries
+        if options.retry_backoff:
+            fields["retry_intervals"] = json.dumps([options.retry_backoff * 2**i for i in range(options.retries)])
     return fields
 
 

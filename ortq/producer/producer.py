@@ -15,7 +15,7 @@ import numpy as np
 import redis
 
 from ortq import keys, wire
-from ortq.errors import InferenceFailed, JobNotFound, PayloadTooLarge, QueueFull, ResultTimeout
+from ortq.errors import ConfigurationError, InferenceFailed, JobNotFound, PayloadTooLarge, QueueFull, ResultTimeout
 from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
@@ -115,13 +115,17 @@ class Producer:
             )
         return frame
 
-    def _options(self, ttl: int | None, job_timeout: int | None) -> JobOptions:
+    def _options(self, ttl: int | None, job_timeout: int | None, retries: int, retry_backoff: int) -> JobOptions:
+        if retries < 0 or retry_backoff < 0:
+            raise ConfigurationError(f"retries and retry_backoff must be >= 0, got {retries}, {retry_backoff}")
         return JobOptions(
             request_ttl=self.settings.request_ttl,
             result_ttl=self.settings.result_ttl,
             failure_ttl=self.settings.failure_ttl,
             ttl=ttl,
             job_timeout=job_timeout,
+            retries=retries,
+            retry_backoff=retry_backoff,
         )
 
     # ------------------------------------------------------------------ submitting
@@ -133,13 +137,19 @@ class Producer:
         *,
         ttl: int | None = None,
         job_timeout: int | None = None,
+        retries: int = 0,
+        retry_backoff: int = 0,
     ) -> InferenceJob:
         """Validate and enqueue one job; returns at once with a handle to wait on.
 
         ``ttl``: seconds the job may wait for a worker before it is dropped.
         ``job_timeout``: seconds a worker may spend on it.
+        ``retries``: times a failed run is tried again (never for bad input, timeouts or expiry),
+        ``retry_backoff`` seconds after the first failure, doubling each time (0: at once).
         """
-        return self.submit_many(model, [inputs], ttl=ttl, job_timeout=job_timeout)[0]
+        return self.submit_many(
+            model, [inputs], ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff
+        )[0]
 
     def submit_many(
         self,
@@ -148,6 +158,8 @@ class Producer:
         *,
         ttl: int | None = None,
         job_timeout: int | None = None,
+        retries: int = 0,
+        retry_backoff: int = 0,
     ) -> list[InferenceJob]:
         """Validate every job first, then enqueue them all in one MULTI/EXEC round trip."""
         keys.check_model_name(model)
@@ -161,7 +173,7 @@ class Producer:
                     f"queue {keys.queue_name(model)} holds {queued} jobs; {len(frames)} more would pass "
                     f"max_queue_length ({limit})"
                 )
-        options = self._options(ttl, job_timeout)
+        options = self._options(ttl, job_timeout, retries, retry_backoff)
         with self.connection.pipeline(transaction=True) as pipe:
             ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
             pipe.execute()

@@ -27,7 +27,13 @@ from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.registry import (
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
@@ -112,6 +118,7 @@ class OrtqWorker(SimpleWorker):
         self._batch_wait = 0.0
         self._idle_slice = 1.0 if sys.platform == "win32" else min(settings.block_slice, settings.heartbeat_seconds)
         self._last_recovery_scan = 0.0
+        self._last_retry_scan = 0.0
         self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
@@ -239,6 +246,7 @@ class OrtqWorker(SimpleWorker):
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
                 self._recover_abandoned()
+                self._enqueue_due_retries(queue)
                 if timeout is None:  # burst: never block
                     raw_id = self._pop(queue, None)
                     if raw_id is None:
@@ -284,6 +292,26 @@ class OrtqWorker(SimpleWorker):
             outcome = self.bookkeeping.recover(job_id, execution_id, MAX_RECOVERIES, self.settings.failure_ttl, error)
             if outcome:
                 log.warning("job %s: %s; %s", job_id, message, outcome)
+
+    def _enqueue_due_retries(self, queue: Queue) -> None:
+        """Move retries whose backoff has passed from RQ's scheduled registry back to the queue
+        (what RQ's separate scheduler process would do), under a short lock so that of several
+        workers one moves each job."""
+        if time.monotonic() - self._last_retry_scan < 1.0:
+            return
+        self._last_retry_scan = time.monotonic()
+        registry = ScheduledJobRegistry(queue.name, connection=self.connection, serializer=MsgpackSerializer)
+        due = registry.get_jobs_to_schedule(int(time.time()))
+        if not due or not self.connection.set(keys.PREFIX + "retry-lock:" + queue.name, self.name, nx=True, ex=5):
+            return
+        with self.connection.pipeline() as pipe:
+            for job in OrtqJob.fetch_many(due, connection=self.connection, serializer=MsgpackSerializer):
+                if job is not None:
+                    queue._enqueue_job(job, pipeline=pipe, at_front=True)
+            for job_id in due:
+                registry.remove(job_id, pipeline=pipe)
+            pipe.execute()
+        self.connection.delete(keys.PREFIX + "retry-lock:" + queue.name)
 
     def _pop(self, queue: Queue, block: float | None) -> bytes | None:
         if block is None:

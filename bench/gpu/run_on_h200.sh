@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent H200 (device tool), after the onnxruntime-gpu wheel was reassembled into /tmp/w
-# (../shared/gpu/README.md): a clean venv with only ortq's dependencies (the image's own CPU
-# onnxruntime would otherwise make the worker refuse to start: two ONNX Runtime distributions),
+# (../shared/gpu/README.md; bench/gpu/prepare.sh builds everything carried): a clean venv with
+# only ortq's dependencies (the image's own CPU onnxruntime would otherwise make the worker
+# refuse to start: two ONNX Runtime distributions),
 # a redis-server from .gpurun/bin, then bench/gpu/cuda_e2e.py. Carried: .whl (wheels), .gpurun.
 set -euo pipefail
 cd /tmp/w && echo "$(cat SHA256)  ort.whl" | sha256sum -c - && mv ort.whl "$(cat NAME)" && cd - >/dev/null

@@ -19,7 +19,7 @@ from typing import Any
 from rq.job import Job
 
 from ortq.errors import UnknownJobFunction
-from ortq.keys import JOB_FUNC
+from ortq.keys import JOB_FUNC, as_text
 from ortq.serializer import MsgpackSerializer
 
 
@@ -66,7 +66,7 @@ class JobRecord:
     def parse(cls, job_id: str, job_hash: Mapping[bytes, bytes]) -> JobRecord:
         return cls(
             job_id=job_id,
-            enqueued_at=_timestamp(job_hash.get(b"enqueued_at")),
+            enqueued_at=parse_rq_time(job_hash.get(b"enqueued_at")),
             result_ttl=_int(job_hash.get(b"result_ttl")),
             failure_ttl=_int(job_hash.get(b"failure_ttl")),
             timeout=_int(job_hash.get(b"timeout")),
@@ -87,9 +87,10 @@ def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
     return _reason(func_name, instance, callbacks)
 
 
-def _timestamp(raw: bytes | None) -> datetime | None:
+def parse_rq_time(raw: bytes | str | None) -> datetime | None:
+    """A timestamp RQ wrote (``utcformat``), or None; much cheaper than RQ's own strptime."""
     try:
-        return datetime.fromisoformat(raw.decode()) if raw else None  # RQ's format, trailing Z (Python >= 3.11)
+        return datetime.fromisoformat(as_text(raw)) if raw else None  # trailing Z: Python >= 3.11
     except ValueError:
         return None
 

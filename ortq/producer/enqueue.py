@@ -13,13 +13,10 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import uuid4
 
+from rq.utils import utcformat
+
 from ortq import keys
 from ortq.serializer import MsgpackSerializer
-
-
-def rq_timestamp(moment: datetime | None = None) -> str:
-    """RQ's timestamp format (UTC, microseconds, trailing Z)."""
-    return (moment or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ def add_enqueue(pipe: Any, model: str, frame: bytes, options: JobOptions, job_id
     job_id = job_id or str(uuid4())
     request_ttl = options.request_ttl if options.ttl is None else min(options.request_ttl, options.ttl)
     pipe.set(keys.request_key(job_id), frame, ex=request_ttl)
-    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, rq_timestamp()))
+    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, utcformat(datetime.now(UTC))))
     if options.ttl is not None:
         # The job's record outlives its ttl by failure_ttl, so that the worker that finds it too
         # late can fail it with a reason (RequestExpired) instead of it silently vanishing.

@@ -22,8 +22,10 @@ from typing import Any, cast
 from uuid import uuid4
 
 import redis
+from rq.utils import utcformat
 
 from ortq import keys
+from ortq.rqjob import parse_rq_time
 from ortq.serializer import MsgpackSerializer
 
 # The scripts build per-job key names from the ids they are given (RQ's and ortq's fixed
@@ -148,11 +150,6 @@ return 'requeued'
 """
 
 
-def rq_isoformat(moment: datetime) -> str:
-    """RQ's ``utcformat``."""
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 @dataclass(frozen=True)
 class StartedJob:
     """One job ``start`` handed back: its id, its hash as RQ stores it, its request frame."""
@@ -199,7 +196,7 @@ class Bookkeeping:
         expired while they waited are skipped, as RQ skips them."""
         moment = datetime.now(UTC)
         executions = [uuid4().hex for _ in range(1 + more)]
-        args: list[Any] = [first_id, more, self.worker_name, moment.timestamp(), rq_isoformat(moment), self.default_ttl]
+        args: list[Any] = [first_id, more, self.worker_name, moment.timestamp(), utcformat(moment), self.default_ttl]
         # Frames are read with GET/MGET, not inside the script: a script's reply copies every
         # string through Lua, several times slower for frames of hundreds of KB. The first job's
         # frame goes in the same round trip as the script; the others' (batching) in one more.
@@ -229,12 +226,27 @@ class Bookkeeping:
                 job.frame,
                 job.ttl,
                 (ended - started.started_at).total_seconds(),
-                rq_isoformat(ended),
+                utcformat(ended),
                 b64encode(MsgpackSerializer.dumps(job.return_value)).decode(),
                 started.started_at.timestamp(),
                 ended.timestamp(),
             ]
         self._finish(keys=self._finish_keys, args=args)
+
+    def heartbeat_ttl(self, timeout: int | None) -> int:
+        """The start script's rule: a job's timeout + 60 s, else the worker's default."""
+        return timeout + 60 if timeout is not None and timeout > 0 else self.default_ttl
+
+    def refresh_started(self, pipe: Any, jobs: list[tuple[StartedJob, int | None]]) -> None:
+        """Queue on ``pipe`` what keeps running jobs (with their timeouts) fresh in RQ's records:
+        the started-registry score, the execution's TTL, the job's ``last_heartbeat``."""
+        moment = datetime.now(UTC)
+        for started, timeout in jobs:
+            ttl = self.heartbeat_ttl(timeout)
+            composite = f"{started.job_id}:{started.execution_id}"
+            pipe.zadd(self._start_keys[2], {composite: int(moment.timestamp()) + ttl}, xx=True)
+            pipe.expire(f"rq:execution:{composite}", ttl)
+            pipe.hset(keys.job_key(started.job_id), "last_heartbeat", utcformat(moment))
 
     def abandoned(self, dead_after: float) -> list[tuple[str, str, str]]:
         """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
@@ -258,7 +270,7 @@ class Bookkeeping:
             if owner == self.worker_name:
                 continue
             beat = beats.get(owner) if owner else None
-            last = _parse_time(beat)
+            last = parse_rq_time(beat)
             if last is None or (now - last).total_seconds() > dead_after:
                 job_id, _, execution_id = entry.rpartition(":")
                 found.append((job_id, execution_id, owner or "?"))
@@ -282,12 +294,3 @@ class Bookkeeping:
             ],
         )
         return None if result is None else keys.as_text(result)
-
-
-def _parse_time(raw: bytes | str | None) -> datetime | None:
-    if raw is None:
-        return None
-    try:
-        return datetime.fromisoformat(keys.as_text(raw))
-    except ValueError:
-        return None

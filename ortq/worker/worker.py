@@ -392,16 +392,10 @@ class OrtqWorker(SimpleWorker):
     def _beat_during_run(self, members: list[_Pending]) -> None:
         """What RQ's heartbeats would keep fresh, for a run that is still going: the worker's
         hash and ortq's records, and each running job's started-registry entry and execution."""
-        moment = now()
         with self.connection.pipeline(transaction=False) as pipe:
             super().heartbeat(self.worker_ttl + 60, pipeline=pipe)
             self._publish(pipe)
-            for member in members:
-                ttl = (member.job.timeout or DEFAULT_WORKER_TTL) + 60
-                composite = f"{member.job.job_id}:{member.started.execution_id}"
-                pipe.zadd(f"rq:wip:{self.bookkeeping.queue_name}", {composite: int(time.time()) + ttl}, xx=True)
-                pipe.expire(f"rq:execution:{composite}", ttl)
-                pipe.hset(keys.job_key(member.job.job_id), "last_heartbeat", moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+            self.bookkeeping.refresh_started(pipe, [(m.started, m.job.timeout) for m in members])
             pipe.execute()
 
     def _run_with_timeout(self, inputs: dict[str, np.ndarray], timeout: float | None) -> dict[str, np.ndarray]:

@@ -3,7 +3,10 @@ and job timeouts that really stop a native ``session.run``."""
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +28,12 @@ from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses
 
 BAN = Path(__file__).parent / "pickle_ban"
+
+
+@pytest.fixture(scope="module")
+def slower_path(models_dir: Path) -> Path:
+    """A model whose one run takes seconds (about 4 x 0.7 s here)."""
+    return onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
 
 
 def test_nothing_is_unpickled_in_a_full_run(
@@ -76,12 +85,11 @@ def test_nothing_is_unpickled_in_a_full_run(
 
 
 def test_job_timeout_stops_a_running_session_run(
-    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, slower_path: Path
 ) -> None:
-    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
-    workers.serve(slow, model_name, redis_url)
+    workers.serve(slower_path, model_name, redis_url)
     x = {"x": np.ones((1, 256), np.float32)}
-    session = ort.InferenceSession(str(slow), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(slower_path), providers=["CPUExecutionProvider"])
     started = time.perf_counter()
     session.run(None, x)
     unstopped = time.perf_counter() - started
@@ -136,12 +144,11 @@ def test_backpressure_and_payload_limits(
 
 
 def test_the_heartbeat_goes_on_during_a_long_run(
-    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, slower_path: Path,
     connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
-    workers.serve(slow, model_name, redis_url)
+    workers.serve(slower_path, model_name, redis_url)
     job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
     wip = f"rq:wip:{keys.queue_name(model_name)}"
     deadline = time.monotonic() + 30
@@ -157,16 +164,11 @@ def test_the_heartbeat_goes_on_during_a_long_run(
 
 
 def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
-    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, slower_path: Path,
     connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    import json
-    import os
-    import signal
-
-    slow = onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "1")
-    workers.serve(slow, model_name, redis_url, 2)
+    workers.serve(slower_path, model_name, redis_url, 2)
     x = {"x": np.ones((1, 256), np.float32)}
     job = producer.submit(model_name, x)
     deadline = time.monotonic() + 30
@@ -179,7 +181,7 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     os.kill(record["pid"], signal.SIGKILL)
     outputs = job.result(timeout=60)  # the survivor takes it back and runs it again
     assert time.monotonic() - killed_at < 30 + 10  # detected within 30 s (plus one run of the model)
-    session = ort.InferenceSession(str(slow), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(slower_path), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
     assert connection.hget(keys.job_key(job.id), "ortq_recoveries") == b"1"
     assert connection.hget(keys.job_key(job.id), "worker_name") != victim

@@ -63,9 +63,6 @@ _PERMANENT_ERRORS = (
 #: How many times a job may be taken back from a dead worker before it is failed instead.
 MAX_RECOVERIES = 2
 
-#: Seconds between worker heartbeats that are not part of a job's own pipelines.
-_HEARTBEAT_EVERY = 5.0
-
 
 @dataclass
 class WorkerIdentity:
@@ -171,7 +168,7 @@ class OrtqWorker(SimpleWorker):
         if pipeline is not None:
             super().heartbeat(timeout, pipeline=pipeline)
             return
-        if time.monotonic() - self._last_beat < _HEARTBEAT_EVERY and timeout is None:
+        if time.monotonic() - self._last_beat < self.settings.heartbeat_seconds and timeout is None:
             return
         with self.connection.pipeline(transaction=False) as pipe:
             super().heartbeat(timeout, pipeline=pipe)

@@ -147,11 +147,11 @@ class OrtqWorker(SimpleWorker):
         pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
 
     def register_birth(self) -> None:
+        # ortq's record (what producers and tests wait for) is not published here but by the
+        # first heartbeat of the work loop: only then are the signal handlers installed, so a
+        # worker that is seen as ready can always be stopped cleanly.
         super().register_birth()
         self.pulse.start()
-        with self.connection.pipeline(transaction=False) as pipe:
-            self._publish(pipe)
-            pipe.execute()
         log.info("worker %s serving model %r on %s", self.name, self.identity.model, self.identity.provider)
 
     def register_death(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import click
 import numpy as np
 
-from ortq.errors import OrtqError
+from ortq.errors import EXIT_CONFIGURATION, OrtqError
 from ortq.settings import Settings
 
 _REDIS_URL = click.option(
@@ -53,20 +53,25 @@ def main(verbose: bool) -> None:
     "--model",
     "model_path",
     required=True,
+    envvar="ORTQ_MODEL",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="The .onnx file to serve.",
+    help="The .onnx file to serve [$ORTQ_MODEL].",
 )
-@click.option("--name", "model_name", required=True, help="Model name; the queue is ortq:<name>.")
+@click.option(
+    "--name", "model_name", required=True, envvar="ORTQ_MODEL_NAME", help="Model name; the queue is ortq:<name>."
+)
 @click.option(
     "--provider",
     type=click.Choice(["dml", "cuda", "cpu", "auto"]),
     default="cpu",
+    envvar="ORTQ_PROVIDER",
     show_default=True,
     help="DirectML (Windows), CUDA (NVIDIA), the CPU, or ONNX Runtime's choice by --policy (onnxruntime >= 1.23).",
 )
 @click.option(
     "--adapter",
     default=None,
+    envvar="ORTQ_ADAPTER",
     metavar="SPEC",
     help="Which GPU: an index, luid:..., uuid:..., name:SUBSTRING, discrete, integrated, high-performance "
     "or minimum-power (see `ortq adapters`). Resolved at every start. Default: index 0.",
@@ -89,11 +94,14 @@ def main(verbose: bool) -> None:
     is_flag=True,
     help="Do not compare the provider's warm-up output with the CPU's before serving (unsafe).",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, envvar="ORTQ_THREADS", help="ONNX Runtime intra-op threads."
+)
 @click.option(
     "--max-batch",
     type=click.IntRange(min=1),
     default=1,
+    envvar="ORTQ_MAX_BATCH",
     show_default=True,
     help="Run up to N queued jobs as one batch (concatenated on dim 0; needs a dynamic first dim).",
 )
@@ -101,11 +109,28 @@ def main(verbose: bool) -> None:
     "--max-wait-ms",
     type=click.FloatRange(min=0),
     default=0.0,
+    envvar="ORTQ_MAX_WAIT_MS",
     show_default=True,
     help="With --max-batch: how long to wait for more jobs after the first.",
 )
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
-@click.option("--worker-name", default=None, help="Name in Redis (default <model>.<host>.<pid>).")
+@click.option(
+    "--worker-name", default=None, envvar="ORTQ_WORKER_NAME", help="Name in Redis (default <model>.<host>.<pid>)."
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    envvar="ORTQ_METRICS_PORT",
+    help="Serve Prometheus /metrics and /ready (200 once serving) on this port; 0: off.",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORTQ_METRICS_HOST",
+    help="Address for --metrics-port.",
+)
 @_REDIS_URL
 def worker(
     model_path: Path,
@@ -121,6 +146,8 @@ def worker(
     max_wait_ms: float,
     burst: bool,
     worker_name: str | None,
+    metrics_port: int,
+    metrics_host: str,
     redis_url: str | None,
 ) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
@@ -141,6 +168,8 @@ def worker(
         max_wait_ms=max_wait_ms,
         burst=burst,
         worker_name=worker_name,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     serve(config, _settings(redis_url))
 
@@ -272,6 +301,13 @@ def demo(redis_url: str | None, workers: int) -> None:
     sys.exit(0 if ok else 1)
 
 
+from ortq.dashboard.cli import dashboard  # noqa: E402  (commands of their own modules)
+from ortq.pool.cli import pool  # noqa: E402
+
+main.add_command(dashboard)
+main.add_command(pool)
+
+
 def run() -> None:
     """Entry point that turns OrtqError into a one-line message and exit status 2."""
     try:
@@ -285,4 +321,4 @@ def run() -> None:
         sys.exit(130)
     except OrtqError as exc:
         click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIGURATION)

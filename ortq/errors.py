@@ -92,3 +92,15 @@ class RuntimeMissing(OrtqError):
 
 class ModelLoadError(OrtqError):
     """The model file could not be read or ONNX Runtime refused it."""
+
+
+class DeviceLost(OrtqError):
+    """The GPU under the session is gone (DirectML device removed or reset, a CUDA failure): the session
+    cannot run again. The worker puts its jobs back on the queue and exits with :data:`EXIT_DEVICE_LOST`
+    so that its supervisor starts a fresh process with a fresh session."""
+
+
+#: Exit status of ``ortq worker`` after :class:`DeviceLost` (EX_TEMPFAIL: restart me, now).
+EXIT_DEVICE_LOST = 75
+#: Exit status of ``ortq`` for an OrtqError at start (bad configuration, provider unavailable, ...).
+EXIT_CONFIGURATION = 2

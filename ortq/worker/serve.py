@@ -55,6 +55,9 @@ class WorkerConfig:
     #: for more to arrive after the first. 1 = off.
     max_batch: int = 1
     max_wait_ms: float = 0.0
+    #: Prometheus /metrics and /ready on this port (0: off), bound to metrics_host.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)

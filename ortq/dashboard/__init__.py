@@ -1,0 +1,1 @@
+"""``ortq dashboard``: rq-dashboard with ortq's serializer, plus an ortq page."""

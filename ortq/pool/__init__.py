@@ -1,0 +1,1 @@
+"""``ortq pool``: N worker processes per adapter from one config file."""

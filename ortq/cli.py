@@ -131,6 +131,13 @@ def main(verbose: bool) -> None:
     envvar="ORTQ_METRICS_HOST",
     help="Address for --metrics-port.",
 )
+@click.option(
+    "--device-lost-pattern",
+    default=None,
+    envvar="ORTQ_DEVICE_LOST_PATTERN",
+    metavar="REGEX",
+    help="Also treat run errors matching REGEX as a lost GPU (requeue the jobs, exit with status 75).",
+)
 @_REDIS_URL
 def worker(
     model_path: Path,
@@ -148,6 +155,7 @@ def worker(
     worker_name: str | None,
     metrics_port: int,
     metrics_host: str,
+    device_lost_pattern: str | None,
     redis_url: str | None,
 ) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
@@ -170,8 +178,9 @@ def worker(
         worker_name=worker_name,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        device_lost_pattern=device_lost_pattern,
     )
-    serve(config, _settings(redis_url))
+    sys.exit(serve(config, _settings(redis_url)))
 
 
 @main.command(epilog="Examples:\n\n\b\n  ortq adapters\n  ortq adapters --json")

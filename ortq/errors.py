@@ -46,6 +46,11 @@ class InferenceFailed(OrtqError):
         self.remote_message = remote_message
 
 
+class BrokerUnavailable(OrtqError):
+    """Redis could not be reached (refused, reset or timed out). For a submit it is unknown whether the
+    jobs were enqueued when the connection dropped during the write; waits give up at their timeout."""
+
+
 class ResultTimeout(OrtqError):
     """No result arrived within the time the caller was willing to wait; the job may still run later."""
 

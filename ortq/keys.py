@@ -65,6 +65,12 @@ def reply_key(job_id: str) -> str:
     return PREFIX + "reply:" + job_id
 
 
+def last_high_key(model: str) -> str:
+    """String naming the most recently enqueued high-priority job of ``model``: new high-priority
+    jobs are inserted after it, so that they run before every normal one and in FIFO order."""
+    return PREFIX + "last-high:" + model
+
+
 def signature_key(model: str) -> str:
     """JSON record of the model's signature, published by every worker that serves it."""
     return PREFIX + "signature:" + model

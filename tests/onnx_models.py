@@ -9,6 +9,7 @@ checks it with ``onnx.checker`` and returns the path. Needs ``onnx`` (a dev depe
 * :func:`fixed_batch_model` -- ``y = 2x + 1`` with a fully fixed ``[1, 4]`` input.
 * :func:`multi_dtype_model` -- Identity pass-through of float16/int64/uint8/bool/float64 inputs.
 * :func:`slow_model` -- a Loop of 256x256 MatMuls; ``loops`` sets how long one run takes.
+* :func:`gather_model` -- ``y = table[idx]``; an out-of-range index fails the run itself.
 """
 
 from __future__ import annotations
@@ -197,4 +198,21 @@ def slow_model(path: Path, loops: int = SLOW_MODEL_LOOPS) -> Path:
             "repeats": np.array([256, 1], dtype=np.int64),
             "trip_count": np.array(loops, dtype=np.int64),
         },
+    )
+
+
+def gather_model(path: Path) -> Path:
+    """``y = table[idx]`` over a 4-entry float table: an index outside [-4, 3] makes the *run* fail
+    (ONNX Runtime checks Gather's indices at run time), which the device-loss tests use as a
+    real ``session.run`` error of a known text."""
+    idx = helper.make_tensor_value_info("idx", TensorProto.INT64, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
+    table = np.array([10.0, 20.0, 30.0, 40.0], np.float32)
+    return _save(
+        path,
+        "gather",
+        nodes=[helper.make_node("Gather", ["table", "idx"], ["y"], axis=0)],
+        inputs=[idx],
+        outputs=[y],
+        initializers={"table": table},
     )

@@ -18,6 +18,23 @@ from rq.utils import utcformat
 from ortq import keys
 from ortq.serializer import MsgpackSerializer
 
+#: Job priorities. High-priority jobs go ahead of every normal one in the model's one RQ queue
+#: (so RQ's registries and views stay whole), first come first served among themselves.
+PRIORITIES = ("normal", "high")
+
+# Insert a high-priority job into the queue after the last high-priority job still waiting, or at
+# its head when none is. One list keeps the worker's dequeue a single atomic BLMOVE; a list per
+# priority would need either a non-atomic multi-list pop or polling.
+# KEYS: queue, last-high key   ARGV: job id, last-high ttl
+ENQUEUE_HIGH = """
+local last = redis.call('GET', KEYS[2])
+local placed = -1
+if last then placed = redis.call('LINSERT', KEYS[1], 'AFTER', last, ARGV[1]) end
+if placed == -1 then redis.call('LPUSH', KEYS[1], ARGV[1]) end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class JobOptions:
@@ -30,6 +47,7 @@ class JobOptions:
     job_timeout: int | None = None  # seconds a run may take (RQ's "timeout" field)
     retries: int = 0  # how many times a run that fails (other than for bad input) is tried again
     retry_backoff: int = 0  # seconds before the first retry, doubling for each next one; 0: at once
+    priority: str = "normal"  # one of PRIORITIES
 
 
 def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
@@ -46,6 +64,8 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
     }
     if options.ttl is not None:
         fields["ttl"] = options.ttl
+    if options.priority != "normal":
+        fields["ortq_priority"] = options.priority
     if options.job_timeout is not None:
         fields["timeout"] = options.job_timeout
     if options.retries:
@@ -67,5 +87,8 @@ def add_enqueue(pipe: Any, model: str, frame: bytes, options: JobOptions, job_id
         # late can fail it with a reason (RequestExpired) instead of it silently vanishing.
         pipe.expire(keys.job_key(job_id), options.ttl + options.failure_ttl)
     pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
-    pipe.rpush(keys.queue_key(model), job_id)
+    if options.priority == "high":
+        pipe.eval(ENQUEUE_HIGH, 2, keys.queue_key(model), keys.last_high_key(model), job_id, request_ttl)
+    else:
+        pipe.rpush(keys.queue_key(model), job_id)
     return job_id

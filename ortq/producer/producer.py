@@ -15,8 +15,17 @@ import numpy as np
 import redis
 
 from ortq import keys, wire
-from ortq.errors import ConfigurationError, InferenceFailed, JobNotFound, PayloadTooLarge, QueueFull, ResultTimeout
-from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.errors import (
+    BrokerUnavailable,
+    ConfigurationError,
+    InferenceFailed,
+    JobNotFound,
+    OrtqError,
+    PayloadTooLarge,
+    QueueFull,
+    ResultTimeout,
+)
+from ortq.producer.enqueue import PRIORITIES, JobOptions, add_enqueue
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
@@ -24,6 +33,29 @@ from ortq.signature import ModelSignature
 
 #: Seconds a fetched model signature is trusted before it is read again.
 _SIGNATURE_CACHE_SECONDS = 5.0
+
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class _Outage:
+    """A wait that rides out Redis restarting (replies are kept by Redis, so a result may still
+    come) until its deadline, then says whether it was Redis that was missing."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.last: Exception | None = None
+        self._delay = 0.05
+
+    def wait(self, exc: Exception) -> None:
+        self.last = exc
+        time.sleep(max(0.0, min(self._delay, self.deadline - time.monotonic())))
+        self._delay = min(self._delay * 2, 1.0)
+
+    def error(self, message: str) -> OrtqError:
+        if self.last is None:
+            return ResultTimeout(message)
+        return BrokerUnavailable(f"{message}: Redis unavailable ({self.last})")
 
 
 class InferenceJob:
@@ -115,9 +147,13 @@ class Producer:
             )
         return frame
 
-    def _options(self, ttl: int | None, job_timeout: int | None, retries: int, retry_backoff: int) -> JobOptions:
+    def _options(
+        self, ttl: int | None, job_timeout: int | None, retries: int, retry_backoff: int, priority: str
+    ) -> JobOptions:
         if retries < 0 or retry_backoff < 0:
             raise ConfigurationError(f"retries and retry_backoff must be >= 0, got {retries}, {retry_backoff}")
+        if priority not in PRIORITIES:
+            raise ConfigurationError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
         return JobOptions(
             request_ttl=self.settings.request_ttl,
             result_ttl=self.settings.result_ttl,
@@ -126,6 +162,7 @@ class Producer:
             job_timeout=job_timeout,
             retries=retries,
             retry_backoff=retry_backoff,
+            priority=priority,
         )
 
     # ------------------------------------------------------------------ submitting
@@ -139,6 +176,7 @@ class Producer:
         job_timeout: int | None = None,
         retries: int = 0,
         retry_backoff: int = 0,
+        priority: str = "normal",
     ) -> InferenceJob:
         """Validate and enqueue one job; returns at once with a handle to wait on.
 
@@ -146,9 +184,16 @@ class Producer:
         ``job_timeout``: seconds a worker may spend on it.
         ``retries``: times a failed run is tried again (never for bad input, timeouts or expiry),
         ``retry_backoff`` seconds after the first failure, doubling each time (0: at once).
+        ``priority``: "high" jobs run before every "normal" one, in the order they were submitted.
         """
         return self.submit_many(
-            model, [inputs], ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff
+            model,
+            [inputs],
+            ttl=ttl,
+            job_timeout=job_timeout,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            priority=priority,
         )[0]
 
     def submit_many(
@@ -160,6 +205,7 @@ class Producer:
         job_timeout: int | None = None,
         retries: int = 0,
         retry_backoff: int = 0,
+        priority: str = "normal",
     ) -> list[InferenceJob]:
         """Validate every job first, then enqueue them all in one MULTI/EXEC round trip."""
         keys.check_model_name(model)
@@ -167,16 +213,25 @@ class Producer:
         limit = self.settings.max_queue_length
         if limit:
             # Checked before the MULTI: several producers at once can overshoot by their batches.
-            queued = self.connection.llen(keys.queue_key(model))
+            try:
+                queued = self.connection.llen(keys.queue_key(model))
+            except _REDIS_DOWN as exc:
+                raise BrokerUnavailable(f"could not enqueue for {model!r}: Redis unavailable ({exc})") from exc
             if queued + len(frames) > limit:
                 raise QueueFull(
                     f"queue {keys.queue_name(model)} holds {queued} jobs; {len(frames)} more would pass "
                     f"max_queue_length ({limit})"
                 )
-        options = self._options(ttl, job_timeout, retries, retry_backoff)
-        with self.connection.pipeline(transaction=True) as pipe:
-            ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
-            pipe.execute()
+        options = self._options(ttl, job_timeout, retries, retry_backoff, priority)
+        try:
+            with self.connection.pipeline(transaction=True) as pipe:
+                ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
+                pipe.execute()
+        except _REDIS_DOWN as exc:
+            raise BrokerUnavailable(
+                f"could not enqueue {len(frames)} job(s) for {model!r}: Redis unavailable ({exc}); if the "
+                "connection dropped during the write they may have been enqueued"
+            ) from exc
         return [InferenceJob(self, job_id, model) for job_id in ids]
 
     def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
@@ -219,16 +274,20 @@ class Producer:
     def wait_response(self, job_id: str, timeout: float) -> wire.Response:
         """Block on the job's reply list; the response stays there for other readers until it expires."""
         key = keys.reply_key(job_id)
-        deadline = time.monotonic() + timeout
+        outage = _Outage(time.monotonic() + timeout)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = outage.deadline - time.monotonic()
             if remaining <= 0:
-                raise ResultTimeout(f"no result for job {job_id} within {timeout:g} s")
+                raise outage.error(f"no result for job {job_id} within {timeout:g} s")
             # BLMOVE from a list onto itself returns its one element without removing it.
             # Slices stay under the socket timeout, which would otherwise cut a long block short.
             block = min(remaining, self.settings.block_slice)
-            # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
-            frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
+            try:
+                # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
+                frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
+            except _REDIS_DOWN as exc:
+                outage.wait(exc)
+                continue
             if frame is not None:
                 return wire.decode_response(cast(bytes, frame), max_bytes=self.settings.max_frame_bytes)
 
@@ -237,12 +296,19 @@ class Producer:
         is there, then one blocking read waits for the oldest missing one, and so on."""
         responses: list[wire.Response | None] = [None] * len(job_ids)
         pending = list(range(len(job_ids)))
-        deadline = time.monotonic() + timeout
+        outage = _Outage(time.monotonic() + timeout)
         while True:
-            with self.connection.pipeline(transaction=False) as pipe:
-                for i in pending:
-                    pipe.lindex(keys.reply_key(job_ids[i]), 0)
-                frames = pipe.execute()
+            try:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    for i in pending:
+                        pipe.lindex(keys.reply_key(job_ids[i]), 0)
+                    frames = pipe.execute()
+            except _REDIS_DOWN as exc:
+                outage.wait(exc)
+                if time.monotonic() >= outage.deadline:
+                    message = f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s"
+                    raise outage.error(message) from exc
+                continue
             still = []
             for i, frame in zip(pending, frames, strict=True):
                 if frame is None:
@@ -252,11 +318,14 @@ class Producer:
             pending = still
             if not pending:
                 return cast(list[wire.Response], responses)
-            remaining = deadline - time.monotonic()
+            remaining = outage.deadline - time.monotonic()
             if remaining <= 0:
-                raise ResultTimeout(f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
+                raise outage.error(f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
             oldest = keys.reply_key(job_ids[pending[0]])
-            self.connection.blmove(oldest, oldest, min(remaining, self.settings.block_slice), "RIGHT", "LEFT")  # type: ignore[arg-type]
+            try:
+                self.connection.blmove(oldest, oldest, min(remaining, self.settings.block_slice), "RIGHT", "LEFT")  # type: ignore[arg-type]
+            except _REDIS_DOWN as exc:
+                outage.wait(exc)
 
     def results(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
         """The outputs of many jobs, in order, waited for together (see wait_responses).

@@ -150,6 +150,58 @@ return 'requeued'
 """
 
 
+# Fail a job: push its error reply (unless ARGV[2] is empty: it will be retried) and mark it
+# failed, but only while this execution still owns it. Fencing, as in _FINISH: a job recovered
+# from this worker (taken for dead) belongs to its next execution. RQ's failure bookkeeping
+# (failed registry, retry) follows in Python only when this returns 1.
+# KEYS: wip registry   ARGV: job id, error frame or '', execution id, reply ttl
+_FAIL = """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1] .. ':' .. ARGV[3]) then return 0 end
+if ARGV[2] ~= '' then
+  local reply = 'ortq:reply:' .. ARGV[1]
+  redis.call('DEL', reply)
+  redis.call('RPUSH', reply, ARGV[2])
+  redis.call('EXPIRE', reply, ARGV[4])
+  redis.call('HSET', 'rq:job:' .. ARGV[1], 'status', 'failed')
+  redis.call('DEL', 'ortq:req:' .. ARGV[1])
+end
+return 1
+"""
+
+# Put back jobs stuck in the intermediate list: a BLMOVE whose reply was lost (Redis restarted,
+# the connection dropped) leaves its job there, still "queued", with no worker to start it.
+# A job seen there on two scans at least ARGV[2] seconds apart goes back to the queue's head.
+# KEYS: intermediate list, queue, first-seen hash   ARGV: now (epoch s), grace seconds
+_RESCUE = """
+local now, grace = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+local present, rescued = {}, {}
+for _, id in ipairs(ids) do
+  present[id] = true
+  local status = redis.call('HGET', 'rq:job:' .. id, 'status')
+  if status ~= 'queued' then
+    -- its hash expired, or it was started (the start script takes it out of the list itself)
+    if not status then redis.call('LREM', KEYS[1], 0, id) end
+  else
+    local seen = tonumber(redis.call('HGET', KEYS[3], id) or '')
+    if not seen then
+      redis.call('HSET', KEYS[3], id, ARGV[1])
+    elseif now - seen >= grace then
+      redis.call('LREM', KEYS[1], 0, id)
+      redis.call('LPUSH', KEYS[2], id)
+      redis.call('HDEL', KEYS[3], id)
+      table.insert(rescued, id)
+    end
+  end
+end
+for _, id in ipairs(redis.call('HKEYS', KEYS[3])) do
+  if not present[id] then redis.call('HDEL', KEYS[3], id) end
+end
+redis.call('EXPIRE', KEYS[3], 3600)
+return rescued
+"""
+
+
 @dataclass(frozen=True)
 class StartedJob:
     """One job ``start`` handed back: its id, its hash as RQ stores it, its request frame."""
@@ -182,6 +234,8 @@ class Bookkeeping:
         self._start = connection.register_script(_START)
         self._finish = connection.register_script(_FINISH)
         self._recover = connection.register_script(_RECOVER)
+        self._fail = connection.register_script(_FAIL)
+        self._rescue = connection.register_script(_RESCUE)
         self._start_keys = [
             f"rq:queue:{queue_name}",
             f"rq:queue:{queue_name}:intermediate",
@@ -248,9 +302,26 @@ class Bookkeeping:
             pipe.expire(f"rq:execution:{composite}", ttl)
             pipe.hset(keys.job_key(started.job_id), "last_heartbeat", utcformat(moment))
 
+    def fail(self, started: StartedJob, error: bytes | None, ttl: int) -> bool:
+        """Reply ``error`` to a failed job (None: it will be retried, no reply) and mark it failed,
+        if this execution still owns it; False when it was recovered by another worker."""
+        owned = self._fail(keys=[self._start_keys[2]], args=[started.job_id, error or b"", started.execution_id, ttl])
+        return bool(owned)
+
+    def rescue_intermediate(self, grace: float) -> list[str]:
+        """Requeue jobs stuck in the intermediate list for ``grace`` seconds (see _RESCUE)."""
+        intermediate = self._start_keys[1]
+        rescued = self._rescue(
+            keys=[intermediate, self._start_keys[0], keys.PREFIX + "first-seen:" + self.queue_name],
+            args=[datetime.now(UTC).timestamp(), grace],
+        )
+        return [keys.as_text(r) for r in rescued]
+
     def abandoned(self, dead_after: float) -> list[tuple[str, str, str]]:
         """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
-        no heartbeat for ``dead_after`` seconds (or whose records are gone)."""
+        no heartbeat for ``dead_after`` seconds (or whose records are gone), and those of this
+        worker itself: it asks only while idle, so a started job of its own is one whose start
+        reply was lost (a Redis restart or dropped connection) and that nothing will run."""
         wip = f"rq:wip:{self.queue_name}"
         entries = [keys.as_text(e) for e in cast(list[bytes], self._connection.zrange(wip, 0, -1))]
         if not entries:
@@ -267,10 +338,7 @@ class Bookkeeping:
         now = datetime.now(UTC)
         found = []
         for entry, owner in zip(entries, owners, strict=True):
-            if owner == self.worker_name:
-                continue
-            beat = beats.get(owner) if owner else None
-            last = parse_rq_time(beat)
+            last = None if owner == self.worker_name else parse_rq_time(beats.get(owner) if owner else None)
             if last is None or (now - last).total_seconds() > dead_after:
                 job_id, _, execution_id = entry.rpartition(":")
                 found.append((job_id, execution_id, owner or "?"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ortq import keys
-from ortq.errors import AdapterNotFound, ConfigurationError
+from ortq.errors import EXIT_DEVICE_LOST, AdapterNotFound, ConfigurationError
 from ortq.settings import Settings
 from ortq.worker.adapters import (
     PREFERENCES,
@@ -58,9 +59,17 @@ class WorkerConfig:
     #: Prometheus /metrics and /ready on this port (0: off), bound to metrics_host.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    #: A regular expression matched against run errors that mean the GPU is gone, besides
+    #: ortq's own list (ortq.worker.devicelost).
+    device_lost_pattern: str | None = None
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
+        if self.device_lost_pattern is not None:
+            try:
+                re.compile(self.device_lost_pattern)
+            except re.error as exc:
+                raise ConfigurationError(f"--device-lost-pattern {self.device_lost_pattern!r}: {exc}") from exc
         if self.provider not in PROVIDER_CHOICES:
             raise ConfigurationError(f"unknown provider {self.provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
         if self.policy not in AUTO_POLICIES:
@@ -139,12 +148,22 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
         },
     )
     name = config.worker_name or config.default_worker_name()
-    return OrtqWorker(model, identity, settings, name, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
+    return OrtqWorker(
+        model,
+        identity,
+        settings,
+        name,
+        max_batch=config.max_batch,
+        max_wait_ms=config.max_wait_ms,
+        device_lost_pattern=config.device_lost_pattern,
+    )
 
 
-def serve(config: WorkerConfig, settings: Settings) -> bool:
-    """Run a worker until it is stopped (or, with ``burst``, until its queue is empty)."""
+def serve(config: WorkerConfig, settings: Settings) -> int:
+    """Run a worker until it is stopped (or, with ``burst``, until its queue is empty); returns
+    the process's exit status: 0, or EXIT_DEVICE_LOST when the GPU went away under it."""
     worker = build_worker(config, settings)
     # RQ logs every dequeued job at INFO; ortq's own log says what matters, RQ's only when debugging.
     rq_level = "DEBUG" if log.isEnabledFor(logging.DEBUG) else "WARNING"
-    return bool(worker.work(burst=config.burst, logging_level=rq_level))
+    worker.work(burst=config.burst, logging_level=rq_level)
+    return EXIT_DEVICE_LOST if worker.device_lost is not None else 0

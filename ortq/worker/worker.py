@@ -18,33 +18,30 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
 from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
-from rq.registry import (
-    DeferredJobRegistry,
-    FailedJobRegistry,
-    FinishedJobRegistry,
-    ScheduledJobRegistry,
-    StartedJobRegistry,
-)
+from rq.registry import DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from ortq import keys, wire
-from ortq.errors import JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
+from ortq.errors import EXIT_DEVICE_LOST, DeviceLost, JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
+from ortq.worker.devicelost import DeviceLostMatcher
+from ortq.worker.maintenance import Maintenance
 from ortq.worker.pulse import Pulse
 from ortq.worker.session import LoadedModel
 
@@ -60,8 +57,11 @@ _PERMANENT_ERRORS = (
     "RequestExpired",
 )
 
-#: How many times a job may be taken back from a dead worker before it is failed instead.
-MAX_RECOVERIES = 2
+#: Longest Redis outage a worker rides out while it holds finished work (outputs or an error it
+#: has not delivered yet); past it, it exits and the surviving workers take its jobs back.
+REDIS_OUTAGE_LIMIT = 120.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -89,6 +89,7 @@ class OrtqWorker(SimpleWorker):
         name: str | None = None,
         max_batch: int = 1,
         max_wait_ms: float = 0.0,
+        device_lost_pattern: str | None = None,
     ) -> None:
         connection = settings.connect()
         queue = Queue(
@@ -114,8 +115,10 @@ class OrtqWorker(SimpleWorker):
         self._batch: list[StartedJob] = []
         self._batch_wait = 0.0
         self._idle_slice = 1.0 if sys.platform == "win32" else min(settings.block_slice, settings.heartbeat_seconds)
-        self._last_recovery_scan = 0.0
-        self._last_retry_scan = 0.0
+        self.maintenance = Maintenance(connection, self.bookkeeping, settings, queue, self.name)
+        self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
+        #: Set when a run failed because the GPU is gone; the worker then stops (see serve.py).
+        self.device_lost: DeviceLost | None = None
         self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
         self._last_beat = 0.0
         self._last_suspension_check = 0.0
@@ -236,14 +239,13 @@ class OrtqWorker(SimpleWorker):
         queue = self.queues[0]
         self.set_state(WorkerStatus.IDLE)
         idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
-        backoff = 1.0
+        backoff = 0.5
         while True:
             try:
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
-                self._recover_abandoned()
-                self._enqueue_due_retries(queue)
+                self.maintenance.run()
                 if timeout is None:  # burst: never block
                     raw_id = self._pop(queue, None)
                     if raw_id is None:
@@ -269,46 +271,15 @@ class OrtqWorker(SimpleWorker):
                     return self._full_job(batch[0]), queue
                 self._state = WorkerStatus.IDLE
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
-            except redis.ConnectionError as exc:
-                log.error("Redis connection failed (%s); retrying in %.0f s", exc, backoff)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarting or unreachable: wait and reconnect (redis-py reconnects on the
+                # next command), backing off to at most 5 s, and never exit for it.
+                self._state = WorkerStatus.IDLE
+                log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 60.0)
-
-    def _recover_abandoned(self) -> None:
-        """Take back jobs whose worker died mid-run (SIGKILL, OOM, a GPU reset): their started
-        entry stays while their worker's heartbeat, kept up even during a run (pulse.py), stops.
-        Such a job is requeued at the front, or failed with WorkerLost once it has killed
-        MAX_RECOVERIES workers (a job that crashes every worker must not crash them all)."""
-        beat = self.settings.heartbeat_seconds
-        if time.monotonic() - self._last_recovery_scan < beat / 2:
-            return
-        self._last_recovery_scan = time.monotonic()
-        for job_id, execution_id, owner in self.bookkeeping.abandoned(dead_after=3 * beat):
-            message = f"worker {owner} stopped sending heartbeats while running this job (it died or hung)"
-            error = wire.encode_error("WorkerLost", f"{message}; it was taken back {MAX_RECOVERIES} times")
-            outcome = self.bookkeeping.recover(job_id, execution_id, MAX_RECOVERIES, self.settings.failure_ttl, error)
-            if outcome:
-                log.warning("job %s: %s; %s", job_id, message, outcome)
-
-    def _enqueue_due_retries(self, queue: Queue) -> None:
-        """Move retries whose backoff has passed from RQ's scheduled registry back to the queue
-        (what RQ's separate scheduler process would do), under a short lock so that of several
-        workers one moves each job."""
-        if time.monotonic() - self._last_retry_scan < 1.0:
-            return
-        self._last_retry_scan = time.monotonic()
-        registry = ScheduledJobRegistry(queue.name, connection=self.connection, serializer=MsgpackSerializer)
-        due = registry.get_jobs_to_schedule(int(time.time()))
-        if not due or not self.connection.set(keys.PREFIX + "retry-lock:" + queue.name, self.name, nx=True, ex=5):
-            return
-        with self.connection.pipeline() as pipe:
-            for job in OrtqJob.fetch_many(due, connection=self.connection, serializer=MsgpackSerializer):
-                if job is not None:
-                    queue._enqueue_job(job, pipeline=pipe, at_front=True)
-            for job_id in due:
-                registry.remove(job_id, pipeline=pipe)
-            pipe.execute()
-        self.connection.delete(keys.PREFIX + "retry-lock:" + queue.name)
+                backoff = min(backoff * 2, 5.0)
+                if self._stop_requested:
+                    return None
 
     def _pop(self, queue: Queue, block: float | None) -> bytes | None:
         if block is None:
@@ -347,12 +318,47 @@ class OrtqWorker(SimpleWorker):
             if item is not None:
                 pending.append(item)
         finished: list[FinishedJob] = []
-        for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
-            finished += self._run_group(members, queue)
+        try:
+            for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
+                finished += self._run_group(members, queue)
+        except DeviceLost as exc:
+            self._give_back(pending, finished, exc)
         if finished:
-            self.bookkeeping.finish(finished)
+            self._despite_outage("delivering results", lambda: self.bookkeeping.finish(finished))
         self.execution = None
         self._state = WorkerStatus.IDLE
+
+    def _give_back(self, pending: list[_Pending], finished: list[FinishedJob], exc: DeviceLost) -> None:
+        """The GPU is gone: requeue every job of the batch that has no answer yet, and stop; the
+        session cannot run again, so a fresh process must take over (serve.py's exit status)."""
+        log.critical("%s; requeueing this worker's jobs and exiting with status %d", exc, EXIT_DEVICE_LOST)
+        answered = {f.started.job_id for f in finished}
+        for item in pending:
+            if item.job.job_id not in answered:
+                self._despite_outage(
+                    "requeueing after device loss",
+                    lambda item=item: self.maintenance.take_back(  # type: ignore[misc]
+                        item.job.job_id, item.started.execution_id, f"worker {self.name} lost its device"
+                    ),
+                )
+        self.device_lost = exc
+        self._stop_requested = True
+
+    def _despite_outage(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, retried through a Redis outage of up to REDIS_OUTAGE_LIMIT seconds: what it
+        writes (answers, failures) exists nowhere else. The scripts are fenced, so a call that ran
+        but whose reply was lost does nothing the second time."""
+        delay = 0.5
+        deadline = time.monotonic() + REDIS_OUTAGE_LIMIT
+        while True:
+            try:
+                return call()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _prepare(self, started: StartedJob, queue: Queue) -> _Pending | None:
         """Decode and check one job's request; fail the job (and return None) if it is bad."""
@@ -426,6 +432,8 @@ class OrtqWorker(SimpleWorker):
                 self._fail(member.started, queue, exc, member.timings)
             return []
         except Exception as exc:
+            if self.is_device_lost(exc):
+                raise DeviceLost(f"the device is lost: {type(exc).__name__}: {exc}") from exc
             if len(members) > 1:
                 log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)
                 return [f for m in members for f in self._run_group([m], queue)]
@@ -453,20 +461,12 @@ class OrtqWorker(SimpleWorker):
         """The job's own result/failure ttl when it is a positive number of seconds, else ortq's."""
         return from_job if from_job is not None and from_job > 0 else default
 
-    def _reply_failure(self, job: OrtqJob, frame: bytes) -> None:
-        """Push the error response; the job's status changes with it, so that no reader who has
-        seen the response is told the job is still running while RQ's bookkeeping follows."""
-        key = keys.reply_key(job.id)
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(key)  # a job is answered once
-            pipe.rpush(key, frame)
-            pipe.expire(key, self._ttl(job.failure_ttl, self.settings.failure_ttl))
-            pipe.hset(job.key, "status", JobStatus.FAILED.value)
-            pipe.delete(keys.request_key(job.id))
-            pipe.execute()
-
     def _fail(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
-        """Fail one started job through RQ's own failure path (failed registry, retries)."""
+        """Fail one started job: its error reply first (unless it will be retried), then RQ's own
+        failure path (failed registry, retries); neither when another worker has taken it back."""
+        self._despite_outage("failing a job", lambda: self._fail_once(started, queue, exc, timings))
+
+    def _fail_once(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         error_type = type(exc).__name__
         message = str(exc) or error_type
         job = self._full_job(started)  # the full record: RQ's failure path writes all of it back
@@ -474,9 +474,11 @@ class OrtqWorker(SimpleWorker):
         if isinstance(exc, OrtqError) or error_type in _PERMANENT_ERRORS:
             job.retries_left = None  # the job itself is wrong: another attempt would fail the same way
         will_retry = bool(job.should_retry)
+        error = None if will_retry else wire.encode_error(error_type, message, timings)
+        if not self.bookkeeping.fail(started, error, self._ttl(job.failure_ttl, self.settings.failure_ttl)):
+            log.warning("job %s failed here (%s) but was taken back by another worker meanwhile", job.id, error_type)
+            return
         log.warning("job %s failed%s: %s: %s", job.id, " (will retry)" if will_retry else "", error_type, message)
-        if not will_retry:
-            self._reply_failure(job, wire.encode_error(error_type, message, timings))
         # What RQ keeps in memory about a job it has started, for its failure path.
         self.execution = Execution(started.execution_id, job.id, self.connection, worker_name=self.name)
         self.execution.created_at = started.started_at

@@ -13,6 +13,7 @@ from typing import Any
 
 from ortq import keys
 from ortq.errors import EXIT_DEVICE_LOST, AdapterNotFound, ConfigurationError
+from ortq.metrics import WorkerMetrics
 from ortq.settings import Settings
 from ortq.worker.adapters import (
     PREFERENCES,
@@ -20,6 +21,7 @@ from ortq.worker.adapters import (
     select_adapter,
     unenumerated_dml_options,
 )
+from ortq.worker.base import WorkerIdentity
 from ortq.worker.batch import check_batchable
 from ortq.worker.session import (
     AUTO_POLICIES,
@@ -30,7 +32,7 @@ from ortq.worker.session import (
     load_model,
     warm_up,
 )
-from ortq.worker.worker import OrtqWorker, WorkerIdentity
+from ortq.worker.worker import OrtqWorker
 
 log = logging.getLogger("ortq.worker")
 
@@ -163,7 +165,33 @@ def serve(config: WorkerConfig, settings: Settings) -> int:
     """Run a worker until it is stopped (or, with ``burst``, until its queue is empty); returns
     the process's exit status: 0, or EXIT_DEVICE_LOST when the GPU went away under it."""
     worker = build_worker(config, settings)
+    server = None
+    if config.metrics_port:
+        worker.metrics = worker_metrics(worker)
+        server = worker.metrics.serve(config.metrics_host, config.metrics_port)
+        log.info("metrics on %s/metrics, readiness on %s/ready", server.url, server.url)
     # RQ logs every dequeued job at INFO; ortq's own log says what matters, RQ's only when debugging.
     rq_level = "DEBUG" if log.isEnabledFor(logging.DEBUG) else "WARNING"
-    worker.work(burst=config.burst, logging_level=rq_level)
+    try:
+        worker.work(burst=config.burst, logging_level=rq_level)
+    finally:
+        if server is not None:
+            server.close()
     return EXIT_DEVICE_LOST if worker.device_lost is not None else 0
+
+
+def worker_metrics(worker: OrtqWorker) -> WorkerMetrics:
+    """The worker's Prometheus metrics, labelled with what it runs on."""
+    identity = worker.identity
+    adapter = identity.extra.get("adapter") or {}
+    label = (
+        "cpu" if identity.provider == "CPUExecutionProvider" else str(adapter.get("name") or adapter.get("spec") or 0)
+    )
+    queue_key = keys.queue_key(identity.model)
+    return WorkerMetrics(
+        identity.model,
+        label,
+        identity.provider,
+        worker.name,
+        queue_depth=lambda: int(worker.connection.llen(queue_key)),
+    )

@@ -11,16 +11,14 @@ through RQ's own ``handle_job_failure``, after their error reply.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -28,16 +26,15 @@ from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
-from rq.registry import DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import now
-from rq.worker import SimpleWorker, WorkerStatus
-from rq.worker_registration import clean_worker_registry
+from rq.worker import WorkerStatus
 
 from ortq import keys, wire
 from ortq.errors import EXIT_DEVICE_LOST, DeviceLost, JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
+from ortq.worker.base import PublishingWorker, WorkerIdentity
 from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
 from ortq.worker.devicelost import DeviceLostMatcher
@@ -64,21 +61,7 @@ REDIS_OUTAGE_LIMIT = 120.0
 T = TypeVar("T")
 
 
-@dataclass
-class WorkerIdentity:
-    """What the worker publishes under ``ortq:worker:<name>``, besides its live counters."""
-
-    model: str
-    model_path: str
-    provider: str
-    device_id: int | None
-    fell_back_to_cpu: bool
-    host: str
-    pid: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class OrtqWorker(SimpleWorker):
+class OrtqWorker(PublishingWorker):
     """One process, one session, one model queue."""
 
     def __init__(
@@ -93,22 +76,10 @@ class OrtqWorker(SimpleWorker):
     ) -> None:
         connection = settings.connect()
         queue = Queue(
-            keys.queue_name(identity.model),
-            connection=connection,
-            serializer=MsgpackSerializer,
-            job_class=OrtqJob,
+            keys.queue_name(identity.model), connection=connection, serializer=MsgpackSerializer, job_class=OrtqJob
         )
-        super().__init__(
-            [queue],
-            name=name,
-            connection=connection,
-            serializer=MsgpackSerializer,
-            job_class=OrtqJob,
-            queue_class=Queue,
-        )
+        super().__init__(queue, identity, settings, model.signature.to_json(), name)
         self.model = model
-        self.identity = identity
-        self.settings = settings
         self.bookkeeping = Bookkeeping(connection, self.name, queue.name, DEFAULT_WORKER_TTL + 60)
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000
@@ -120,34 +91,6 @@ class OrtqWorker(SimpleWorker):
         #: Set when a run failed because the GPU is gone; the worker then stops (see serve.py).
         self.device_lost: DeviceLost | None = None
         self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
-        self._last_beat = 0.0
-        self._last_suspension_check = 0.0
-        self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
-
-    # ----------------------------------------------------------- records ortq publishes
-
-    def record(self) -> dict[str, Any]:
-        ident = self.identity
-        return {
-            "name": self.name,
-            "model": ident.model,
-            "model_path": ident.model_path,
-            "provider": ident.provider,
-            "device_id": ident.device_id,
-            "fell_back_to_cpu": ident.fell_back_to_cpu,
-            "host": ident.host,
-            "pid": ident.pid,
-            "queue": keys.queue_name(ident.model),
-            "state": self.get_state(),
-            "signature": self.model.signature.to_json(),
-            **ident.extra,
-        }
-
-    def _publish(self, pipe: Any) -> None:
-        ttl = self.worker_ttl + 60
-        pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=ttl)
-        pipe.sadd(keys.WORKERS_SET, self.name)
-        pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
 
     def register_birth(self) -> None:
         # ortq's record (what producers and tests wait for) is not published here but by the
@@ -159,73 +102,9 @@ class OrtqWorker(SimpleWorker):
 
     def register_death(self) -> None:
         self.pulse.stop()
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(keys.worker_key(self.name))
-            pipe.srem(keys.WORKERS_SET, self.name)
-            pipe.execute()
         super().register_death()
 
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        """RQ's heartbeat in one round trip, refreshing ortq's records too; standalone beats are
-        rate-limited because RQ calls this several times per job and the TTL is minutes long."""
-        if pipeline is not None:
-            super().heartbeat(timeout, pipeline=pipeline)
-            return
-        if time.monotonic() - self._last_beat < self.settings.heartbeat_seconds and timeout is None:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipeline=pipe)
-            self._publish(pipe)
-            pipe.execute()
-        self._last_beat = time.monotonic()
-
-    def set_state(self, state: str, pipeline: Any = None) -> None:
-        if pipeline is None and state == self._state:
-            return  # RQ re-announces IDLE before every dequeue; it is already written
-        super().set_state(state, pipeline=pipeline)
-
-    # ----------------------------------------------------------- platform and maintenance
-
-    def _install_signal_handlers(self) -> None:
-        super()._install_signal_handlers()
-        sigbreak = getattr(signal, "SIGBREAK", None)  # CTRL_BREAK_EVENT on Windows
-        if sigbreak is not None:
-            signal.signal(sigbreak, self.request_stop)
-
-    def clean_registries(self) -> None:
-        """RQ's registry maintenance, with this worker's job class and death penalty.
-
-        RQ's own ``clean_registries`` builds registries whose death penalty is hard-coded to
-        SIGALRM, which does not exist on Windows; OrtqJob makes sure no callback is imported.
-        """
-        for queue in self.queues:
-            if not queue.acquire_maintenance_lock():
-                continue
-            for registry_class in (
-                FinishedJobRegistry,
-                StartedJobRegistry,
-                FailedJobRegistry,
-                DeferredJobRegistry,
-            ):
-                registry_class(
-                    name=queue.name,
-                    connection=self.connection,
-                    job_class=OrtqJob,
-                    serializer=MsgpackSerializer,
-                    death_penalty_class=self.death_penalty_class,
-                ).cleanup(exception_handlers=self._exc_handlers)
-            clean_worker_registry(queue)
-            queue.intermediate_queue.cleanup(self, queue)
-            queue.release_maintenance_lock()
-        self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ annotates it as None only
-
     # ----------------------------------------------------------- the per-job path
-
-    def check_for_suspension(self, burst: bool) -> None:
-        # RQ asks Redis before every job; once a second is enough for `rq suspend` to take effect.
-        if time.monotonic() - self._last_suspension_check >= 1.0:
-            self._last_suspension_check = time.monotonic()
-            super().check_for_suspension(burst)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
@@ -343,6 +222,8 @@ class OrtqWorker(SimpleWorker):
                 )
         self.device_lost = exc
         self._stop_requested = True
+        if self.metrics is not None:
+            self.metrics.set_ready(False)
 
     def _despite_outage(self, what: str, call: Callable[[], T]) -> T:
         """``call()``, retried through a Redis outage of up to REDIS_OUTAGE_LIMIT seconds: what it
@@ -440,12 +321,16 @@ class OrtqWorker(SimpleWorker):
             self._fail(members[0].started, queue, exc, members[0].timings)
             return []
         run = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.batch_ran(len(members))
         finished = []
         for member, outputs_of_job in zip(members, per_job, strict=True):
             timings = {**member.timings, "run": run}
             t1 = time.perf_counter()
             frame = wire.encode_response(outputs_of_job, timings)
             timings["encode"] = time.perf_counter() - t1
+            if self.metrics is not None:
+                self.metrics.job_succeeded(timings)
             summary = {
                 "reply_key": keys.reply_key(member.job.job_id),
                 "outputs": {name: [str(v.dtype), list(v.shape)] for name, v in outputs_of_job.items()},
@@ -479,6 +364,8 @@ class OrtqWorker(SimpleWorker):
             log.warning("job %s failed here (%s) but was taken back by another worker meanwhile", job.id, error_type)
             return
         log.warning("job %s failed%s: %s: %s", job.id, " (will retry)" if will_retry else "", error_type, message)
+        if self.metrics is not None and not will_retry:
+            self.metrics.job_failed(error_type, timings)
         # What RQ keeps in memory about a job it has started, for its failure path.
         self.execution = Execution(started.execution_id, job.id, self.connection, worker_name=self.name)
         self.execution.created_at = started.started_at

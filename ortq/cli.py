@@ -6,7 +6,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
@@ -215,6 +214,7 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
 \b
   ortq infer digits --input pixels=digit.npy
   ortq infer resnet --input image=cat.npy --output out.npz --timeout 10
+  ortq infer resnet --input-dir images/ --output-dir outputs/      # bulk: one job per file
 """
 )
 @click.argument("model_name")
@@ -222,10 +222,22 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
     "--input",
     "input_specs",
     multiple=True,
-    required=True,
     metavar="NAME=FILE.npy",
     help="A named input tensor from a .npy file (repeat for several inputs).",
 )
+@click.option(
+    "--input-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Bulk mode: one job per .npy (the model's one input) or .npz (named inputs) file in this folder.",
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Bulk mode: write each file's outputs to OUTPUT_DIR/<name>.npz.",
+)
+@click.option("--input-name", default=None, help="Bulk mode: the input a .npy file holds (default: the only one).")
 @click.option(
     "--output",
     "output_path",
@@ -238,13 +250,22 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
 def infer(
     model_name: str,
     input_specs: tuple[str, ...],
+    input_dir: Path | None,
+    output_dir: Path | None,
+    input_name: str | None,
     output_path: Path | None,
     timeout: float,
     redis_url: str | None,
 ) -> None:
-    """Send one job to MODEL_NAME's queue and wait for its outputs."""
+    """Send one job to MODEL_NAME's queue and wait for its outputs (or, with --input-dir, one job
+    per file, with a progress bar and a summary; exit status 1 if any failed)."""
     from ortq.producer import Producer
 
+    if (input_dir is None) == (not input_specs):
+        raise click.UsageError("give --input NAME=FILE.npy (one job) or --input-dir DIR (bulk), one of the two")
+    if input_dir is not None:
+        _infer_folder(model_name, input_dir, output_dir, input_name, timeout, _settings(redis_url))
+        return
     inputs = dict(_parse_input(spec) for spec in input_specs)
     with Producer(settings=_settings(redis_url)) as producer:
         outputs = producer.infer(model_name, inputs, timeout=timeout)
@@ -255,33 +276,23 @@ def infer(
         click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
 
 
-def _format_info(info: dict[str, Any]) -> str:
-    lines: list[str] = []
-    if not info["models"]:
-        return "no ortq models or workers in this Redis"
-    for model in info["models"]:
-        lines.append(
-            f"model {model['model']}  queue {model['queue']}: {model['queued']} queued, "
-            f"{model['started']} started, {model['finished']} finished, {model['failed']} failed"
+def _infer_folder(
+    model: str, folder: Path, output_dir: Path | None, input_name: str | None, timeout: float, settings: Settings
+) -> None:
+    from ortq.producer import Producer
+    from ortq.producer.bulk import infer_folder, input_files
+
+    total = len(input_files(folder))
+    with Producer(settings=settings) as producer, click.progressbar(length=total, label=model, file=sys.stderr) as bar:
+        summary = infer_folder(
+            producer, model, folder, output_dir, input_name=input_name, timeout=timeout, progress=bar.update
         )
-        signature = model["signature"]
-        if signature:
-            for kind in ("inputs", "outputs"):
-                specs = ", ".join(
-                    f"{s['name']}: {s['dtype']}[{', '.join('?' if d is None else str(d) for d in s['shape'])}]"
-                    for s in signature[kind]
-                )
-                lines.append(f"  {kind}: {specs}")
-        if not model["workers"]:
-            lines.append("  workers: none")
-        for w in model["workers"]:
-            device = "" if w["device_id"] is None else f" device {w['device_id']}"
-            fallback = " (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""
-            lines.append(
-                f"  worker {w['name']}: {w['state']}, {w['provider']}{device}{fallback}, "
-                f"host {w['host']} pid {w['pid']}, {w['successful_jobs']} ok / {w['failed_jobs']} failed"
-            )
-    return "\n".join(lines)
+    click.echo(summary.describe())
+    for name, reason in summary.failures[:20]:
+        click.echo(f"  failed {name}: {reason}")
+    if len(summary.failures) > 20:
+        click.echo(f"  ... and {len(summary.failures) - 20} more")
+    sys.exit(1 if summary.failures else 0)
 
 
 @main.command(epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'")
@@ -289,10 +300,10 @@ def _format_info(info: dict[str, Any]) -> str:
 @_REDIS_URL
 def info(as_json: bool, redis_url: str | None) -> None:
     """Show models, their workers (provider, device, host, pid) and queue depths."""
-    from ortq.info import collect
+    from ortq.info import collect, format_info
 
     data = collect(_settings(redis_url).connect())
-    click.echo(json.dumps(data, indent=2) if as_json else _format_info(data))
+    click.echo(json.dumps(data, indent=2) if as_json else format_info(data))
 
 
 @main.command(epilog="Examples:\n\n\b\n  ortq demo\n  ortq demo --redis-url redis://127.0.0.1:6379/0")

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from ortq import keys
+from ortq import keys, tables
 from ortq.signature import ModelSignature
 
 
@@ -82,3 +82,56 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
             }
         )
     return {"models": models}
+
+
+def _shape(spec: dict[str, Any]) -> str:
+    return f"{spec['name']}: {spec['dtype']}[{', '.join('?' if d is None else str(d) for d in spec['shape'])}]"
+
+
+def _adapter(worker: dict[str, Any]) -> str:
+    adapter = worker.get("adapter") or {}
+    name = adapter.get("name") or adapter.get("spec")
+    if name is None:
+        return "" if worker["device_id"] is None else f"#{worker['device_id']}"
+    return f"#{adapter.get('index', worker['device_id'])} {name}"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """``ortq info``'s tables: one row per model (queue counts, signature), one per worker."""
+    if not info["models"]:
+        return "no ortq models or workers in this Redis"
+    models = tables.format_table(
+        ("MODEL", "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
+        [
+            (
+                m["model"],
+                m["queued"],
+                m["started"],
+                m["finished"],
+                m["failed"],
+                len(m["workers"]),
+                ", ".join(_shape(s) for s in (m["signature"] or {}).get("inputs", [])),
+                ", ".join(_shape(s) for s in (m["signature"] or {}).get("outputs", [])),
+            )
+            for m in info["models"]
+        ],
+    )
+    workers = [w for m in info["models"] for w in m["workers"]]
+    if not workers:
+        return models + "\n\nno live workers"
+    rows = [
+        (
+            w["name"],
+            w["model"],
+            w["state"],
+            w["provider"] + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
+            _adapter(w),
+            w["host"],
+            w["pid"],
+            w["successful_jobs"],
+            w["failed_jobs"],
+        )
+        for w in workers
+    ]
+    header = ("WORKER", "MODEL", "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED")
+    return models + "\n\n" + tables.format_table(header, rows)

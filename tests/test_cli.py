@@ -34,11 +34,12 @@ def test_infer_and_info(
 
     table = ortq("info", "--redis-url", redis_url)
     assert table.returncode == 0, table.stderr
-    assert f"model {model_name}" in table.stdout
-    assert "x: float32[batch, 4]" in table.stdout
+    name = re.escape(model_name)
+    # One row per model (queued, running, finished, failed, workers, signature), one per worker.
     assert re.search(
-        rf"worker {re.escape(model_name)}\.\S+: idle, CPUExecutionProvider, host \S+ pid \d+, 1 ok", table.stdout
+        rf"^{name}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$", table.stdout, re.M
     )
+    assert re.search(rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+\S+\s+\d+\s+1\s+0$", table.stdout, re.M)
 
     as_json = json.loads(ortq("info", "--json", "--redis-url", redis_url).stdout)
     [model] = [m for m in as_json["models"] if m["model"] == model_name]
@@ -59,8 +60,32 @@ def test_infer_reports_bad_input_clearly(
     assert ortq("infer", model_name, "--input", "no-equals-sign").returncode == 2
 
 
+def test_bulk_infer_over_a_folder(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, tmp_path: Path
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url)
+    folder, out = tmp_path / "in", tmp_path / "out"
+    folder.mkdir()
+    rng = np.random.default_rng(3)
+    arrays = {f"img{i:02d}": rng.standard_normal((i % 3 + 1, 4)).astype(np.float32) for i in range(6)}
+    for stem, array in arrays.items():
+        np.save(folder / f"{stem}.npy", array)
+    np.savez(folder / "named.npz", x=arrays["img00"])
+    np.save(folder / "wrong.npy", np.zeros((1, 5), np.float32))
+    (folder / "notes.txt").write_text("not an input")
+    done = ortq("infer", model_name, "--input-dir", str(folder), "--output-dir", str(out), "--redis-url", redis_url)
+    assert done.returncode == 1, done.stderr  # one file failed
+    assert "8 file(s): 7 ok, 1 failed" in done.stdout
+    assert re.search(r"failed wrong\.npy: InvalidInput: .*size 5 on axis 1", done.stdout)
+    for stem, array in arrays.items():
+        np.testing.assert_array_equal(np.load(out / f"{stem}.npz")["y"], array * 2 + 1)
+    np.testing.assert_array_equal(np.load(out / "named.npz")["y"], arrays["img00"] * 2 + 1)
+    assert not (out / "wrong.npz").exists()
+    assert ortq("infer", model_name, "--redis-url", redis_url).returncode == 2  # neither --input nor --input-dir
+
+
 def test_every_command_has_help_with_examples() -> None:
-    for command in ("worker", "infer", "info", "demo"):
+    for command in ("worker", "infer", "info", "demo", "adapters", "pool", "dashboard"):
         done = ortq(command, "--help")
         assert done.returncode == 0 and "Examples:" in done.stdout, command
 

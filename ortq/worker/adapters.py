@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ortq import tables
 from ortq.errors import AdapterNotFound, AmbiguousAdapter, ConfigurationError
 
 log = logging.getLogger("ortq.worker")
@@ -233,13 +234,18 @@ def enumerate_adapters() -> tuple[list[Adapter], list[str]]:
 
 
 def format_table(adapters: Sequence[Adapter]) -> str:
-    rows = [("provider", "index", "name", "kind", "memory", "luid / uuid")]
-    for a in adapters:
-        memory = "" if a.memory_bytes is None else f"{a.memory_bytes / 1024**3:.1f} GiB"
-        index = "" if a.index is None else str(a.index)
-        rows.append((a.provider, index, a.name, a.kind, memory, a.luid or a.uuid or ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    rows = [
+        (
+            a.provider,
+            a.index,
+            a.name,
+            a.kind,
+            None if a.memory_bytes is None else f"{a.memory_bytes / 1024**3:.1f} GiB",
+            a.luid or a.uuid,
+        )
+        for a in adapters
+    ]
+    return tables.format_table(("provider", "index", "name", "kind", "memory", "luid / uuid"), rows)
 
 
 def _by_preference(candidates: list[Adapter], spec: str) -> Adapter:

@@ -1,0 +1,184 @@
+"""The ortq page: models, their workers (provider, adapter, ready state), queue depths, failures.
+
+Everything comes from :func:`ortq.info.collect` plus each model's latest failures, read as
+plain strings from RQ's failed registry and result stream: nothing here deserializes a job.
+The page is server-rendered with no script and no external assets (the dashboard may run on a
+machine without internet access); it reloads itself every few seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import zlib
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import redis
+from rq.registry import FailedJobRegistry
+
+from ortq import keys
+from ortq.info import collect
+from ortq.settings import redacted_url
+
+#: Failures listed per model, newest first.
+FAILURES_SHOWN = 10
+_REASON_CHARS = 300
+#: RQ worker states in which a worker that has published its ortq record takes jobs.
+READY_STATES = ("idle", "busy")
+#: RQ's result stream of a job (``rq.results.Result.get_key``, which is not annotated).
+_RESULTS_PREFIX = "rq:results:"
+
+
+def _text(raw: bytes | None) -> str:
+    """An RQ exception string as stored: base64 of zlib (result stream), zlib, or plain text."""
+    if not raw:
+        return ""
+    for decode in (lambda b: zlib.decompress(base64.b64decode(b, validate=True)), zlib.decompress):
+        try:
+            return decode(raw).decode(errors="replace")
+        except (binascii.Error, zlib.error, ValueError):
+            continue
+    return raw.decode(errors="replace")
+
+
+def _reason(exc_string: str) -> str:
+    """The line that names the error: ortq's own ``Type: message``, or a traceback's last line."""
+    lines = [line.strip() for line in exc_string.splitlines() if line.strip()]
+    reason = lines[-1] if lines else "(no reason recorded)"
+    return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 1] + "…"
+
+
+def recent_failures(connection: redis.Redis, queue: str, limit: int = FAILURES_SHOWN) -> list[dict[str, Any]]:
+    """The latest failed jobs of ``queue``: id, when it ended and why, newest first."""
+    registry_key = FailedJobRegistry(queue, connection=connection).key
+    # Scores are expiry times (end + failure_ttl): the highest ended last when ttls are equal.
+    job_ids = [keys.as_text(i) for i in cast("list[bytes]", connection.zrevrange(registry_key, 0, limit - 1))]
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(keys.job_key(job_id), ["ended_at", "exc_info"])
+            pipe.xrevrange(_RESULTS_PREFIX + job_id, count=1)
+        replies = pipe.execute()
+    failures = []
+    for i, job_id in enumerate(job_ids):
+        (ended_at, exc_info), latest = replies[2 * i], replies[2 * i + 1]
+        exc_string = _text(latest[0][1].get(b"exc_string")) if latest else _text(exc_info)
+        failures.append(
+            {"job_id": job_id, "ended_at": keys.as_text(ended_at) if ended_at else None, "reason": _reason(exc_string)}
+        )
+    return failures
+
+
+def page_context(connection: redis.Redis, redis_url: str) -> dict[str, Any]:
+    """What :data:`TEMPLATE` renders."""
+    info = collect(connection)
+    for model in info["models"]:
+        model["recent_failures"] = recent_failures(connection, model["queue"]) if model["failed"] else []
+    return {
+        "models": info["models"],
+        "redis_url": redacted_url(redis_url),
+        "now": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "ready_states": READY_STATES,
+    }
+
+
+TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="refresh" content="{{ refresh_seconds }}">
+<title>ortq dashboard</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+header { display: flex; gap: 1.5em; align-items: baseline; border-bottom: 1px solid #ccc; }
+h1 { font-size: 1.4em; margin: 0 0 .4em; }
+h2 { font-size: 1.15em; margin: 1.4em 0 .4em; }
+h3 { font-size: 1em; margin: .9em 0 .3em; }
+.muted { color: #777; }
+.counts { display: flex; gap: .8em; }
+.counts div { border: 1px solid #ddd; border-radius: 4px; padding: .3em .8em; min-width: 5em; }
+.counts dd { font-size: 1.5em; margin: 0; }
+.counts dt a { color: #666; }
+.nowrap { white-space: nowrap; }
+table { border-collapse: collapse; margin: .3em 0; }
+th, td { border-bottom: 1px solid #e5e5e5; padding: .25em .7em; text-align: left; vertical-align: top; }
+th { background: #f5f5f5; }
+.ready { color: #176f2c; font-weight: 600; }
+.notready, .bad { color: #b3261e; font-weight: 600; }
+code { font-size: .95em; }
+</style>
+</head>
+<body>
+<header>
+<h1>ortq dashboard</h1>
+<span class="muted">Redis {{ redis_url }}</span>
+<span class="muted">updated {{ now }}, every {{ refresh_seconds }} s</span>
+<a href="{{ rq_url }}">RQ queues, jobs, workers</a>
+<a href="{{ url_for('api_info') }}">JSON</a>
+</header>
+{% if not models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
+{% for m in models %}
+<section class="model" data-model="{{ m.model }}">
+<h2>model <code>{{ m.model }}</code> <span class="muted">queue {{ m.queue }}</span></h2>
+<dl class="counts">
+{% for field in ("queued", "started", "finished", "failed") %}
+<div><dd data-field="{{ field }}" class="{{ 'bad' if field == 'failed' and m[field] else '' }}">{{ m[field] }}</dd>
+<dt><a href="{{ rq_url }}0/view/jobs/{{ m.queue }}/{{ field }}/8/asc/1">{{ field }}</a></dt></div>
+{% endfor %}
+</dl>
+{% if m.signature %}
+<p>{% for kind in ("inputs", "outputs") %}{{ kind }}:
+{% for s in m.signature[kind] %}<code>{{ s.name }}: {{ s.dtype }}[
+{%- for d in s.shape %}{{ '?' if d is none else d }}{{ ', ' if not loop.last }}{% endfor %}]</code>
+{% endfor %}<br>{% endfor %}</p>
+{% endif %}
+<h3>workers ({{ m.workers | length }})</h3>
+{% if m.workers %}
+<table>
+<tr><th>worker</th><th>ready</th><th>state</th><th>provider</th><th>adapter</th><th>host / pid</th>
+<th>ok</th><th>failed</th><th>current job</th></tr>
+{% for w in m.workers %}
+<tr class="worker" data-worker="{{ w.name }}">
+<td data-field="name">{{ w.name }}</td>
+{% if w.state in ready_states %}<td data-field="ready" class="ready">ready</td>
+{% else %}<td data-field="ready" class="notready">not ready</td>{% endif %}
+<td data-field="state">{{ w.state or "?" }}</td>
+<td data-field="provider">{{ w.provider }}{% if w.fell_back_to_cpu %}
+<span class="bad">(CPU fallback: {{ w.requested_provider }} was unavailable)</span>{% endif %}</td>
+<td data-field="adapter">{% if w.adapter %}{{ w.adapter.name or w.adapter.spec }}
+{%- elif w.provider == "CPUExecutionProvider" %}cpu{% else %}-{% endif %}
+{% if w.device_id is not none %}<span class="muted">(device {{ w.device_id }})</span>{% endif %}</td>
+<td data-field="host">{{ w.host }} / {{ w.pid }}</td>
+<td data-field="successful_jobs">{{ w.successful_jobs }}</td>
+<td data-field="failed_jobs">{{ w.failed_jobs }}</td>
+<td data-field="current_job">{% if w.current_job %}<a href="{{ rq_url }}0/view/job/{{ w.current_job }}">{{
+ w.current_job }}</a>{% else %}-{% endif %}</td>
+</tr>
+{% endfor %}
+</table>
+{% else %}<p class="bad" data-field="no_workers">no workers: jobs wait in the queue</p>{% endif %}
+{% if m.recent_failures %}
+<h3>latest failures</h3>
+<table>
+<tr><th>job</th><th>ended</th><th>reason</th></tr>
+{% for f in m.recent_failures %}
+<tr class="failure" data-job="{{ f.job_id }}">
+<td class="nowrap"><a href="{{ rq_url }}0/view/job/{{ f.job_id }}">{{ f.job_id }}</a></td>
+<td class="nowrap">{{ (f.ended_at or "-")[:19] | replace("T", " ") }}</td>
+<td data-field="reason">{{ f.reason }}</td>
+</tr>
+{% endfor %}
+</table>
+{% endif %}
+</section>
+{% endfor %}
+</body>
+</html>
+"""
+
+UNREACHABLE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="{{ refresh_seconds }}">
+<title>ortq dashboard: Redis unreachable</title></head>
+<body><p>cannot reach Redis at {{ where }}: {{ error }}</p><p>Trying again every {{ refresh_seconds }} s.</p></body>
+</html>
+"""

@@ -1,11 +1,106 @@
-"""The ``ortq pool`` command (placeholder until the pool lands)."""
+"""The ``ortq pool`` command: plan a pool from pool.toml, then start and supervise its workers."""
 
 from __future__ import annotations
 
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
 import click
+from click.core import ParameterSource
+
+from ortq.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ortq.pool.plan import Plan
+    from ortq.settings import Settings
 
 
-@click.command()
-def pool() -> None:
-    """Run worker processes per adapter from a config file (not implemented yet)."""
-    raise click.UsageError("ortq pool is not implemented yet")
+@click.command(
+    epilog="""Examples:
+
+\b
+  ortq pool --config pool.toml --check      # validate, resolve adapters, print the plan; start nothing
+  ortq pool --config pool.toml              # start the workers and keep them running
+  ortq pool --config pool.toml --force      # start even where memory estimates exceed an adapter's
+  ortq pool --config pool.toml --redis-url redis://queue-host:6379/0
+
+\b
+Exit status: 0 stopped cleanly (SIGINT/SIGTERM/CTRL_BREAK) or every burst worker finished;
+1 some worker had to be killed or failed while stopping; 2 bad config or refused plan, or
+nothing left to run after giving up on workers. See docs/pool.md, deploy/pool.example.toml.
+"""
+)
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The pool's TOML file (see deploy/pool.example.toml).",
+)
+@click.option("--check", is_flag=True, help="Validate, resolve adapters and print the plan, then exit (0 / 2).")
+@click.option("--force", is_flag=True, help="Start even where the workers' memory estimate exceeds an adapter's.")
+@click.option(
+    "--redis-url",
+    envvar="ORTQ_REDIS_URL",
+    default=None,
+    help="Redis for every worker (default: the config's redis_url, else $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
+)
+@click.pass_context
+def pool(ctx: click.Context, config_path: Path, check: bool, force: bool, redis_url: str | None) -> None:
+    """Run N worker processes per adapter from a config file, and keep them running.
+
+    Every adapter spec is resolved once against a fresh enumeration; each worker gets the
+    adapter's stable spec (uuid:/luid:) and resolves it again itself. Dead workers are restarted
+    with backoff (at once after a lost device; slowly, then never, after a configuration error).
+    SIGINT/SIGTERM (CTRL_BREAK on Windows) stop every worker cleanly within grace_seconds.
+    """
+    from ortq.pool.config import PoolConfig
+    from ortq.pool.plan import format_plan, make_plan
+    from ortq.settings import Settings
+    from ortq.worker.adapters import enumerate_adapters
+
+    config = PoolConfig.from_file(config_path)
+    # An explicit --redis-url wins over the file, and the file over an ambient $ORTQ_REDIS_URL.
+    if ctx.get_parameter_source("redis_url") is ParameterSource.ENVIRONMENT and config.redis_url:
+        redis_url = config.redis_url
+    try:  # checked now, so that --check catches it too
+        settings = Settings.from_env(redis_url=redis_url or config.redis_url)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{config.source}: [pool] redis_url: {exc}") from None
+    adapters, notes = enumerate_adapters()
+    plan = make_plan(config, adapters, notes)
+    click.echo(format_plan(plan), err=not check)
+    refusals = plan.refusals()
+    if refusals and not force:
+        why = "; ".join(refusals)
+        raise ConfigurationError(f"{config.source}: not enough memory: {why} (--force starts it anyway)")
+    if check:
+        return
+    sys.exit(_run(plan, settings))
+
+
+def _run(plan: Plan, settings: Settings) -> int:
+    from ortq.pool.plan import build_slots
+    from ortq.pool.supervisor import Supervisor
+
+    log = logging.getLogger("ortq.pool")
+    try:
+        settings.connect().ping()
+    except Exception as exc:  # redis-py's connection errors, which name host and port (never the password)
+        log.warning("Redis does not answer (%s); starting the workers anyway, they retry with backoff", exc)
+    verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
+    config = plan.config
+    supervisor = Supervisor(build_slots(plan, settings.redis_url, verbose), config.restart, config.grace_seconds,
+                            config.log_dir)  # fmt: skip
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        supervisor.request_stop(f"got {signal.Signals(signum).name}")
+
+    names = ["SIGINT", "SIGTERM", "SIGBREAK" if sys.platform == "win32" else "SIGHUP"]
+    for name in names:
+        signal.signal(getattr(signal, name), stop)
+    return supervisor.run()

@@ -1,0 +1,341 @@
+"""``pool.toml``: which models a pool serves, on which adapters, with how many workers.
+
+Parsed with the standard library's ``tomllib`` into frozen dataclasses. Every key is checked:
+an unknown key, a wrong type or an out-of-range value raises ConfigurationError naming the
+file, the table and the key (see docs/pool.md for the format).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+from ortq import keys
+from ortq.errors import ConfigurationError
+
+PROVIDERS = ("cpu", "cuda", "dml", "auto")
+POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
+
+#: Variables an env table must not set, and why. The ORTQ_* ones are worker options the pool sets
+#: from config keys; CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER would renumber the GPUs under one
+#: worker only, so that it no longer sees the enumeration the pool planned against.
+_FROM_KEY = {
+    "ORTQ_MODEL": "path",
+    "ORTQ_MODEL_NAME": "name",
+    "ORTQ_PROVIDER": "provider",
+    "ORTQ_ADAPTER": "adapter",
+    "ORTQ_THREADS": "threads",
+    "ORTQ_MAX_BATCH": "max_batch",
+    "ORTQ_MAX_WAIT_MS": "max_wait_ms",
+    "ORTQ_REDIS_URL": "redis_url in [pool]",
+    "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
+    "ORTQ_METRICS_HOST": "metrics_host in [pool]",
+}
+RESERVED_ENV = {
+    **{name: f"the pool sets it from {key}" for name, key in _FROM_KEY.items()},
+    "ORTQ_WORKER_NAME": "the pool names its workers",
+    "CUDA_VISIBLE_DEVICES": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
+    "CUDA_DEVICE_ORDER": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
+}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Env = tuple[tuple[str, str], ...]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead worker is started again (ortq.pool.restart.decide applies it)."""
+
+    #: A crashed worker waits this long before its first restart, doubling up to backoff_max_seconds.
+    backoff_initial_seconds: float = 1.0
+    backoff_max_seconds: float = 60.0
+    #: A worker that ran this long counts as healthy: its backoff and failure counts start again.
+    healthy_after_seconds: float = 60.0
+    #: After exit 2 (a configuration error at start) the worker waits this long ...
+    configuration_retry_seconds: float = 60.0
+    #: ... and after this many exit-2s in a row the pool gives up on it.
+    max_configuration_errors: int = 3
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """``count`` workers of one model on one adapter."""
+
+    count: int
+    #: An ``--adapter`` spec (index, uuid:, luid:, name:, discrete, ...); None: the CPU (or, for
+    #: cuda/dml, adapter 0, as ``ortq worker`` does).
+    adapter: str | None = None
+    env: Env = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One ``[[model]]`` table: what ``ortq worker`` options its workers get."""
+
+    name: str
+    path: Path
+    provider: str
+    groups: tuple[WorkerGroup, ...]
+    threads: int | None = None
+    max_batch: int = 1
+    max_wait_ms: float = 0.0
+    policy: str = "prefer-gpu"
+    allow_cpu_fallback: bool = False
+    skip_canary: bool = False
+    burst: bool = False
+    #: The operator's own figure for one worker's memory on its adapter; replaces the estimate.
+    memory_per_worker_bytes: int | None = None
+    env: Env = ()
+
+    @property
+    def worker_count(self) -> int:
+        return sum(g.count for g in self.groups)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A whole ``pool.toml``."""
+
+    source: str
+    models: tuple[ModelConfig, ...]
+    redis_url: str | None = None
+    #: Worker i (0-based, in file order) serves /metrics on metrics_port_base + i; 0: off.
+    metrics_port_base: int = 0
+    metrics_host: str = "127.0.0.1"
+    #: Seconds the workers get to finish their job and unregister after the stop request.
+    grace_seconds: float = 30.0
+    #: Each worker's output goes to <log_dir>/<model>.<n>.log; None: prefixed lines on the pool's stderr.
+    log_dir: Path | None = None
+    #: Measure each model's session footprint (a CPU session in a subprocess) when planning.
+    measure_memory: bool = True
+    restart: RestartPolicy = RestartPolicy()
+    env: Env = ()
+
+    @property
+    def worker_count(self) -> int:
+        return sum(m.worker_count for m in self.models)
+
+    @classmethod
+    def from_file(cls, path: Path) -> PoolConfig:
+        """Read and check ``path``; relative paths in it are relative to its folder."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read pool config {path}: {exc.strerror or exc}") from None
+        return cls.from_toml(text, source=str(path), base_dir=path.resolve().parent)
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<pool.toml>", base_dir: Path | None = None) -> PoolConfig:
+        """Parse and check the TOML ``text``; ``source`` names it in error messages."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"{source}: not valid TOML: {exc}") from None
+        return _parse(Table(data, "the top level", source), base_dir or Path.cwd())
+
+
+class Table:
+    """A TOML table being read: typed getters, and :meth:`finish` refuses the keys nobody read."""
+
+    def __init__(self, data: Mapping[str, Any], where: str, source: str) -> None:
+        self.data = data
+        self.where = where
+        self.source = source
+        self._read: set[str] = set()
+
+    def error(self, message: str) -> ConfigurationError:
+        return ConfigurationError(f"{self.source}: {self.where}: {message}")
+
+    def _get(self, key: str, default: T, check: Callable[[Any], bool], want: str) -> T:
+        self._read.add(key)
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if not check(value):
+            raise self.error(f"{key} must be {want}, got {value!r} ({_toml_type(value)})")
+        return value  # type: ignore[no-any-return]
+
+    def string(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str | None:
+        value = self._get(key, default, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+        if value is not None and choices and value not in choices:
+            raise self.error(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @overload
+    def integer(self, key: str, default: int, minimum: int, maximum: int | None = None) -> int: ...
+    @overload
+    def integer(self, key: str, default: None, minimum: int, maximum: int | None = None) -> int | None: ...
+    def integer(self, key: str, default: int | None, minimum: int, maximum: int | None = None) -> int | None:
+        def check(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= minimum and (maximum is None or v <= maximum)
+
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        return self._get(key, default, check, f"an integer {bound}")
+
+    def number(self, key: str, default: float, minimum: float, above: bool = False) -> float:
+        def check(v: Any) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and (v > minimum if above else v >= minimum)
+
+        value = self._get(key, default, check, f"a number {'>' if above else '>='} {minimum:g}")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        return self._get(key, default, lambda v: isinstance(v, bool), "true or false")
+
+    def table(self, key: str, where: str) -> Table:
+        return Table(
+            self._get(key, {}, lambda v: isinstance(v, dict), f"a table ([{where}])"), f"[{where}]", self.source
+        )
+
+    def tables(self, key: str, where: str, inside: str = "") -> list[Table]:
+        """The array of tables ``key``; ``inside`` (the enclosing table's name) prefixes their names."""
+
+        def check(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(t, dict) for t in v)
+
+        found: list[dict[str, Any]] = self._get(key, [], check, f"an array of tables ([[{where}]])")
+        return [Table(t, f"{inside}[[{where}]] #{n}", self.source) for n, t in enumerate(found, 1)]
+
+    def env(self, where: str) -> Env:
+        """The ``env`` table: variable names to strings (numbers are turned into strings)."""
+        table = self.table("env", where)
+        table.where = f"{self.where} env" if self.where.startswith("[[") else table.where
+        pairs = []
+        for name, value in table.data.items():
+            table._read.add(name)
+            if not _ENV_NAME.match(name):
+                raise table.error(f"{name!r} is not an environment variable name")
+            if name.upper() in RESERVED_ENV:
+                raise table.error(f"{name} cannot be set here: {RESERVED_ENV[name.upper()]}")
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise table.error(f"{name} must be a string or a number, got {value!r} ({_toml_type(value)})")
+            pairs.append((name, str(value)))
+        return tuple(pairs)
+
+    def finish(self) -> None:
+        unknown = [k for k in self.data if k not in self._read]
+        if unknown:
+            key = unknown[0]
+            known = sorted(self._read)
+            close = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(self._read))}"
+            raise self.error(f"unknown key {key!r}{hint}")
+
+
+def _toml_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _parse(top: Table, base_dir: Path) -> PoolConfig:
+    pool = top.table("pool", "pool")
+    restart_table = pool.table("restart", "pool.restart")
+    model_tables = top.tables("model", "model")
+    top.finish()
+
+    redis_url = pool.string("redis_url")
+    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise pool.error(f"redis_url must start with redis://, rediss:// or unix://, got {redis_url!r}")
+    log_dir = pool.string("log_dir")
+    fields: dict[str, Any] = {
+        "redis_url": redis_url,
+        "metrics_port_base": pool.integer("metrics_port_base", 0, 0, 65535),
+        "metrics_host": pool.string("metrics_host", "127.0.0.1"),
+        "grace_seconds": pool.number("grace_seconds", 30.0, 0, above=True),
+        "log_dir": None if log_dir is None else base_dir / log_dir,
+        "measure_memory": pool.boolean("measure_memory", True),
+        "env": pool.env("pool.env"),
+    }
+    pool.finish()
+    fields["restart"] = _restart(restart_table)
+
+    if not model_tables:
+        raise top.error("no [[model]] tables: a pool needs at least one model")
+    models = tuple(_model(t, base_dir) for t in model_tables)
+    seen: set[str] = set()
+    for model in models:
+        if model.name in seen:
+            raise top.error(f"two [[model]] tables are named {model.name!r}: one model, one queue, one table")
+        seen.add(model.name)
+    config = PoolConfig(source=top.source, models=models, **fields)
+    last_port = config.metrics_port_base + config.worker_count - 1
+    if config.metrics_port_base and last_port > 65535:
+        raise pool.error(f"metrics_port_base {config.metrics_port_base} + {config.worker_count} workers passes 65535")
+    return config
+
+
+def _restart(table: Table) -> RestartPolicy:
+    policy = RestartPolicy(
+        backoff_initial_seconds=table.number("backoff_initial_seconds", 1.0, 0, above=True),
+        backoff_max_seconds=table.number("backoff_max_seconds", 60.0, 0, above=True),
+        healthy_after_seconds=table.number("healthy_after_seconds", 60.0, 0, above=True),
+        configuration_retry_seconds=table.number("configuration_retry_seconds", 60.0, 0),
+        max_configuration_errors=table.integer("max_configuration_errors", 3, 1),
+    )
+    table.finish()
+    if policy.backoff_max_seconds < policy.backoff_initial_seconds:
+        raise table.error(
+            f"backoff_max_seconds ({policy.backoff_max_seconds:g}) is less than "
+            f"backoff_initial_seconds ({policy.backoff_initial_seconds:g})"
+        )
+    return policy
+
+
+def _model(table: Table, base_dir: Path) -> ModelConfig:
+    name = table.string("name")
+    if name is None:
+        raise table.error("name is missing (the model's queue name)")
+    try:
+        keys.check_model_name(name)
+    except ConfigurationError as exc:
+        raise table.error(f"name: {exc}") from None
+    table.where = f"{table.where} ({name!r})"
+    path = table.string("path")
+    if path is None:
+        raise table.error("path is missing (the .onnx file)")
+    provider = table.string("provider", "cpu", PROVIDERS) or "cpu"
+    max_batch = table.integer("max_batch", 1, 1)
+    max_wait_ms = table.number("max_wait_ms", 0.0, 0)
+    memory_mib = table.integer("memory_per_worker_mib", None, 1)
+    policy = table.string("policy", "prefer-gpu", POLICIES) or "prefer-gpu"
+    model = ModelConfig(
+        name=name,
+        path=(base_dir / path).resolve(),
+        provider=provider,
+        groups=tuple(_group(t, provider) for t in table.tables("workers", "model.workers", f"{table.where} ")),
+        threads=table.integer("threads", None, 1),
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        policy=policy,
+        allow_cpu_fallback=table.boolean("allow_cpu_fallback", False),
+        skip_canary=table.boolean("skip_canary", False),
+        burst=table.boolean("burst", False),
+        memory_per_worker_bytes=None if memory_mib is None else memory_mib * 1024**2,
+        env=table.env("model.env"),
+    )
+    table.finish()
+    if not model.groups:
+        raise table.error("no [[model.workers]] tables: say how many workers, e.g. [[model.workers]] count = 1")
+    if max_wait_ms > 0 and max_batch == 1:
+        raise table.error("max_wait_ms only applies with max_batch > 1")
+    if policy != "prefer-gpu" and provider != "auto":
+        raise table.error(f"policy applies to provider 'auto' only, not {provider!r}")
+    return model
+
+
+def _group(table: Table, provider: str) -> WorkerGroup:
+    group = WorkerGroup(
+        count=table.integer("count", 0, 1), adapter=table.string("adapter"), env=table.env("model.workers.env")
+    )
+    table.finish()
+    if group.count == 0:
+        raise table.error("count is missing (how many workers)")
+    if group.adapter is not None and provider in ("cpu", "auto"):
+        raise table.error(f"adapter does not apply to provider {provider!r} (a CPU pool says only how many: count = N)")
+    return group

@@ -6,9 +6,13 @@ same fields, so a deployment can be configured either way.
 
 from __future__ import annotations
 
+import inspect
 import os
+import ssl
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 
@@ -16,6 +20,38 @@ from ortq.errors import ConfigurationError
 from ortq.wire import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+#: TLS options redis-py takes as ``rediss://`` URL query parameters (e.g. ``?ssl_ca_certs=/etc/ortq/ca.crt``).
+_TLS_URL_OPTIONS = frozenset(
+    p for p in inspect.signature(redis.SSLConnection.__init__).parameters if p.startswith("ssl_")
+)
+#: Those of them that name a file, checked when the settings are made rather than at the first connection.
+_TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def redacted_url(redis_url: str) -> str:
+    """``redis_url`` without its password and query, for messages and logs."""
+    parts = urlsplit(redis_url)
+    user = f"{unquote(parts.username)}@" if parts.username else ""
+    where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+    return f"{parts.scheme}://{user}{where}"
+
+
+def _check_tls_options(redis_url: str) -> None:
+    """Refuse misspelt, misplaced or missing-file TLS options: redis-py would only fail at the first
+    connection, with a TypeError or an ``Error 2 connecting`` that names no file."""
+    parts = urlsplit(redis_url)
+    for name, values in parse_qs(parts.query).items():
+        if not name.startswith("ssl_"):
+            continue
+        if parts.scheme != "rediss":
+            raise ConfigurationError(f"redis_url option {name} needs the rediss:// scheme (TLS), not {parts.scheme}://")
+        if name not in _TLS_URL_OPTIONS:
+            raise ConfigurationError(
+                f"unknown TLS option {name} in redis_url; redis-py takes {', '.join(sorted(_TLS_URL_OPTIONS))}"
+            )
+        if name in _TLS_FILE_OPTIONS and not Path(values[-1]).exists():
+            raise ConfigurationError(f"redis_url option {name}={values[-1]}: no such file")
 
 
 @dataclass(frozen=True)
@@ -42,8 +78,9 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigurationError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
+                f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(self.redis_url)!r}"
             )
+        _check_tls_options(self.redis_url)
         if self.socket_timeout < 2:
             raise ConfigurationError(f"socket_timeout must be at least 2 seconds, got {self.socket_timeout}")
         for name in ("request_ttl", "result_ttl", "failure_ttl", "max_frame_bytes"):
@@ -82,8 +119,14 @@ class Settings:
         """Longest single blocking read (BLMOVE/BLPOP), kept under the socket timeout."""
         return max(1.0, self.socket_timeout - 1.0)
 
-    def connect(self) -> redis.Redis:
-        """A client for ``redis_url`` (hiredis parser when installed) with this socket timeout."""
+    def connect(self, check: bool = True) -> redis.Redis:
+        """A client for ``redis_url`` (hiredis parser when installed) with this socket timeout.
+
+        With ``check``, one PING first, so that refused credentials, an untrusted certificate or a
+        user without PING fail here, as ConfigurationError (the CLI's one-line message and exit
+        status 2), rather than as a traceback from deep inside the first command. An unreachable
+        server still raises redis.ConnectionError: that one may pass, and a restart may help.
+        """
         client: redis.Redis = redis.Redis.from_url(
             self.redis_url,
             socket_timeout=self.socket_timeout,
@@ -92,4 +135,32 @@ class Settings:
             # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
             socket_read_size=1 << 20,
         )
+        if check:
+            _ping(client, redacted_url(self.redis_url))
         return client
+
+
+def _ping(client: redis.Redis, where: str) -> None:
+    """PING through ``client``; what only the configuration can fix becomes a ConfigurationError."""
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:  # a subclass of ConnectionError: caught first
+        client.close()
+        raise ConfigurationError(
+            f"Redis at {where} refused the login: {exc} "
+            "(check the user and password in redis_url: rediss://USER:PASSWORD@HOST:PORT/DB)"
+        ) from exc
+    except redis.exceptions.NoPermissionError as exc:
+        client.close()
+        # PING, or SELECT for a db other than 0: the ACL rules of docs/security.md grant both.
+        raise ConfigurationError(f"the Redis user of {where} lacks a permission: {exc} (see docs/security.md)") from exc
+    except redis.ConnectionError as exc:
+        cause = exc.__context__
+        if not isinstance(cause, ssl.SSLError):
+            raise
+        client.close()
+        why = cause.verify_message if isinstance(cause, ssl.SSLCertVerificationError) else cause.reason or str(cause)
+        raise ConfigurationError(
+            f"TLS with Redis at {where} failed: {why} (check ssl_ca_certs: the CA that signed the server's "
+            "certificate; and ssl_certfile/ssl_keyfile if the server asks for a client certificate)"
+        ) from exc

@@ -333,7 +333,10 @@ def _reject_ext(code: int, data: bytes) -> NoReturn:
 
 def _short(value: object) -> str:
     """repr of attacker-controlled ``value``, cut so error messages and logs stay small."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # msgpack nests up to 1023 deep; repr gives up near Python's recursion limit
+        return f"<{type(value).__name__} nested too deeply to show>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -5,7 +5,8 @@
 # refuse to start: two ONNX Runtime distributions),
 # a redis-server from .gpurun/bin, then bench/gpu/cuda_e2e.py. Carried: .whl (wheels), .gpurun.
 set -euo pipefail
-cd /tmp/w && echo "$(cat SHA256)  ort.whl" | sha256sum -c - && mv ort.whl "$(cat NAME)" && cd - >/dev/null
+# (A second run on the same warm machine finds the wheel already checked and renamed.)
+cd /tmp/w && { [ -f "$(cat NAME)" ] || { echo "$(cat SHA256)  ort.whl" | sha256sum -c - && mv ort.whl "$(cat NAME)"; }; } && cd - >/dev/null
 python3 -m venv --without-pip /tmp/v
 site=$(/tmp/v/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl "/tmp/w/$(cat /tmp/w/NAME)"
@@ -13,4 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export LD_LIBRARY_PATH=$(python3 -c "import os,glob,nvidia;r=os.path.dirname(nvidia.__path__[0]);print(':'.join(sorted({os.path.dirname(p) for p in glob.glob(r+'/nvidia/**/lib*.so*',recursive=True)})))"):${LD_LIBRARY_PATH:-}
 export PATH=$PWD/.gpurun/bin:$PATH PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv
-/tmp/v/bin/python -m bench.gpu.cuda_e2e --models .gpurun/models --out "${OUT:-/tmp}/cuda_e2e.json"
+# What to run: bench/gpu/cuda_e2e.py (one worker per adapter spec) and/or bench/gpu/pool_e2e.py
+# (ortq pool, workers per GPU); default both. Each writes its JSON report to $OUT.
+status=0
+for what in ${ORTQ_GPU_BENCH:-cuda_e2e pool_e2e}; do
+    /tmp/v/bin/python -m "bench.gpu.$what" --models .gpurun/models --out "${OUT:-/tmp}/$what.json" || status=1
+done
+exit $status

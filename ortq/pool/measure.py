@@ -68,6 +68,9 @@ def _windows_working_set() -> int | None:
     counters.cb = ctypes.sizeof(Counters)
     kernel32 = ctypes.WinDLL("kernel32")  # type: ignore[attr-defined,unused-ignore]
     kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+    # Without argtypes ctypes passes the pseudo-handle (-1, returned as 2**64 - 1) as a C int.
+    kernel32.K32GetProcessMemoryInfo.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters), wintypes.DWORD]
+    kernel32.K32GetProcessMemoryInfo.restype = wintypes.BOOL
     process = kernel32.GetCurrentProcess()
     if not kernel32.K32GetProcessMemoryInfo(process, ctypes.byref(counters), counters.cb):
         return None

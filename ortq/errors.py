@@ -63,6 +63,11 @@ class UnknownJobFunction(OrtqError):
     """A job names a callable other than ortq's inference function; it is failed without importing it."""
 
 
+class InvalidJob(OrtqError):
+    """A job record that is no well-formed ortq job (fields RQ cannot read, a zlib bomb, an id outside
+    ``[A-Za-z0-9_-]+``): failed or dropped without running, and the worker goes on."""
+
+
 class JobTimeout(OrtqError):
     """The run took longer than the job's ``job_timeout``; ONNX Runtime was told to stop it."""
 
@@ -109,3 +114,5 @@ class DeviceLost(OrtqError):
 EXIT_DEVICE_LOST = 75
 #: Exit status of ``ortq`` for an OrtqError at start (bad configuration, provider unavailable, ...).
 EXIT_CONFIGURATION = 2
+#: Exit status of ``ortq worker`` when an unexpected error ended its work loop (restart it, with backoff).
+EXIT_CRASHED = 1

@@ -9,7 +9,6 @@ job (dequeue, registry cleanup, failure handling).
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 
 from rq.job import Job
 
-from ortq.errors import UnknownJobFunction
+from ortq.errors import InvalidJob, UnknownJobFunction
 from ortq.keys import JOB_FUNC, as_text
 from ortq.serializer import MsgpackSerializer
 
@@ -76,11 +75,8 @@ class JobRecord:
 
 
 def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
-    raw = job_hash.get(b"data", b"")
     try:
-        with contextlib.suppress(zlib.error):
-            raw = zlib.decompress(raw)  # RQ compresses the data it writes; ortq producers do not
-        func_name, instance, _args, _kwargs = MsgpackSerializer.loads(raw)
+        func_name, instance, _args, _kwargs = MsgpackSerializer.loads(job_data(job_hash))
     except Exception as exc:  # anything a forged hash holds
         return _undecodable(exc)
     callbacks = {name: job_hash.get(name.encode()) for name in _CALLBACK_FIELDS}
@@ -95,11 +91,36 @@ def parse_rq_time(raw: bytes | str | None) -> datetime | None:
         return None
 
 
+#: The longest time (s) a job's own ttl, timeout or result ttl is taken at: a forged 1e20 must not
+#: overflow a timer or make Redis refuse an EXPIRE.
+MAX_SECONDS = 365 * 24 * 3600
+
+#: The most a job's ``data`` may inflate to (an ortq job's is ~40 bytes): a zlib bomb is refused
+#: after this much, not after it has filled memory.
+MAX_DATA_BYTES = 64 * 1024
+
+
 def _int(raw: bytes | None) -> int | None:
     try:
-        return int(raw) if raw else None
+        value = int(raw) if raw else None
     except ValueError:
         return None
+    return None if value is None else max(-MAX_SECONDS, min(value, MAX_SECONDS))
+
+
+def job_data(job_hash: Mapping[bytes, bytes]) -> bytes:
+    """The job hash's ``data``, inflated if RQ compressed it, refused past MAX_DATA_BYTES."""
+    raw = job_hash.get(b"data", b"")
+    if len(raw) > MAX_DATA_BYTES:
+        raise InvalidJob(f"job data is {len(raw)} bytes; an ortq job's is tiny (at most {MAX_DATA_BYTES})")
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(raw, MAX_DATA_BYTES)
+    except zlib.error:
+        return raw  # not compressed: ortq producers write it plain
+    if inflater.unconsumed_tail or not inflater.eof:
+        raise InvalidJob(f"job data inflates past {MAX_DATA_BYTES} bytes (a zlib bomb?)")
+    return data
 
 
 class OrtqJob(Job):

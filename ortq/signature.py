@@ -101,8 +101,8 @@ class ModelSignature:
     def loads(cls, raw: bytes | str) -> ModelSignature:
         try:
             obj = json.loads(raw)
-        except ValueError as exc:
-            raise WireFormatError(f"model signature record is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise WireFormatError(f"model signature record is not JSON: {exc!r}"[:200]) from exc
         if not isinstance(obj, dict):
             raise WireFormatError("model signature record is not a JSON object")
         return cls.from_json(obj)

@@ -5,11 +5,13 @@ heartbeats, signal handling on Windows, and RQ's registry maintenance made safe 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from rq.queue import Queue
 from rq.registry import DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import now
@@ -21,6 +23,10 @@ from ortq.metrics import WorkerMetrics
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
+
+log = logging.getLogger("ortq.worker")
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -107,10 +113,16 @@ class PublishingWorker(SimpleWorker):
             return
         if time.monotonic() - self._last_beat < self.settings.heartbeat_seconds and timeout is None:
             return
-        with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipeline=pipe)
-            self._publish(pipe)
-            pipe.execute()
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                super().heartbeat(timeout, pipeline=pipe)
+                self._publish(pipe)
+                pipe.execute()
+        except _REDIS_DOWN as exc:
+            # RQ's work loop quits on any error it sees; a missed beat is retried by the next one
+            # (the dequeue loop rides out the outage itself).
+            log.warning("heartbeat failed: Redis unavailable (%s)", exc)
+            return
         self._last_beat = time.monotonic()
         if self.metrics is not None and not self.metrics.ready and not self._stop_requested:
             self.metrics.set_ready(True)  # its record is out: producers can see it
@@ -159,4 +171,13 @@ class PublishingWorker(SimpleWorker):
         # RQ asks Redis before every job; once a second is enough for `rq suspend` to take effect.
         if time.monotonic() - self._last_suspension_check >= 1.0:
             self._last_suspension_check = time.monotonic()
-            super().check_for_suspension(burst)
+            try:
+                super().check_for_suspension(burst)
+            except _REDIS_DOWN as exc:
+                log.warning("suspension check failed: Redis unavailable (%s)", exc)
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()
+        except _REDIS_DOWN as exc:  # RQ's maintenance runs again at its next interval
+            log.warning("RQ maintenance failed: Redis unavailable (%s)", exc)

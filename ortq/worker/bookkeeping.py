@@ -15,6 +15,7 @@ unchanged, so failed registries and retries stay RQ's.
 
 from __future__ import annotations
 
+import logging
 from base64 import b64encode
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,6 +29,8 @@ from ortq import keys
 from ortq.rqjob import parse_rq_time
 from ortq.serializer import MsgpackSerializer
 
+log = logging.getLogger("ortq.worker")
+
 # The scripts build per-job key names from the ids they are given (RQ's and ortq's fixed
 # prefixes, see ortq/keys.py): a batch's keys are not known before the script pops its jobs.
 # That ties ortq to a single Redis (no Cluster), as RQ's multi-key transactions already do.
@@ -38,9 +41,16 @@ from ortq.serializer import MsgpackSerializer
 # ARGV: first job id, how many more, worker name, now (epoch s), now (ISO), default heartbeat ttl,
 #       then one fresh execution id per job that may start
 _START = """
-local started = {}
+local started, dropped = {}, {}
 local now = tonumber(ARGV[4])
 local function start(id, execution)
+  -- RQ's own rule for job ids; anything else (bytes that are not text, ':' or '.') is no job of
+  -- ortq's and would break key names: it is taken off the list and reported, not started.
+  if not string.match(id, '^[%w_%-]+$') then
+    redis.call('LREM', KEYS[2], 1, id)
+    table.insert(dropped, id)
+    return
+  end
   local job = 'rq:job:' .. id
   if redis.call('EXISTS', job) == 0 then
     redis.call('LREM', KEYS[2], 1, id)
@@ -48,7 +58,8 @@ local function start(id, execution)
   end
   local timeout = tonumber(redis.call('HGET', job, 'timeout') or '')
   local ttl = tonumber(ARGV[6])
-  if timeout and timeout > 0 then ttl = math.floor(timeout) + 60 end
+  -- At most a year: a forged "timeout" of 1e20 or inf must not make EXPIRE fail mid-script.
+  if timeout and timeout > 0 then ttl = math.floor(math.min(timeout, 31536000)) + 60 end
   local ekey = 'rq:execution:' .. id .. ':' .. execution
   redis.call('HSET', ekey, 'id', execution, 'created_at', ARGV[4], 'last_heartbeat', ARGV[4], 'worker_name', ARGV[3])
   redis.call('EXPIRE', ekey, ttl)
@@ -68,7 +79,7 @@ for i = 1, tonumber(ARGV[2]) do
   if not id then break end
   start(id, ARGV[7 + i])
 end
-return started
+return {started, dropped}
 """
 
 # Reply to and finish several jobs: first every reply (the producers are blocked on them),
@@ -244,10 +255,11 @@ class Bookkeeping:
         ]
         self._finish_keys = [f"rq:finished:{queue_name}", f"rq:wip:{queue_name}", f"rq:worker:{worker_name}"]
 
-    def start(self, first_id: str, more: int = 0) -> list[StartedJob]:
+    def start(self, first_id: bytes, more: int = 0) -> list[StartedJob]:
         """Mark ``first_id`` (already in the intermediate list) and up to ``more`` queued jobs
         started, and fetch them with their request frames, in one round trip. Jobs whose hash
-        expired while they waited are skipped, as RQ skips them."""
+        expired while they waited are skipped, as RQ skips them; entries that are not job ids
+        are dropped (and logged)."""
         moment = datetime.now(UTC)
         executions = [uuid4().hex for _ in range(1 + more)]
         args: list[Any] = [first_id, more, self.worker_name, moment.timestamp(), utcformat(moment), self.default_ttl]
@@ -256,10 +268,13 @@ class Bookkeeping:
         # frame goes in the same round trip as the script; the others' (batching) in one more.
         with self._connection.pipeline(transaction=False) as pipe:
             self._start(keys=self._start_keys, args=[*args, *executions], client=pipe)
-            pipe.get(keys.request_key(first_id))
-            reply, first_frame = pipe.execute()
+            pipe.get(keys.request_key(first_id.decode(errors="replace")))
+            (reply, dropped), first_frame = pipe.execute()
+        for entry in dropped:
+            log.error("dropped queue entry %r of %s: not a job id ([A-Za-z0-9_-]+)", entry[:80], self.queue_name)
         ids = [keys.as_text(r[0]) for r in reply]
-        frames: list[bytes | None] = [first_frame] if ids[:1] == [first_id] else []
+        first_text = first_id.decode(errors="replace")
+        frames: list[bytes | None] = [first_frame] if ids[:1] == [first_text] else []
         if len(ids) > len(frames):
             frames += cast(list[bytes | None], self._connection.mget([keys.request_key(i) for i in ids[len(frames) :]]))
         started = []
@@ -345,16 +360,22 @@ class Bookkeeping:
         return found
 
     def recover(
-        self, job_id: str, execution_id: str, max_recoveries: int, failure_ttl: int, error: bytes
+        self,
+        job_id: str,
+        execution_id: str,
+        max_recoveries: int,
+        failure_ttl: int,
+        error: bytes,
+        reason: str = "WorkerLost",
     ) -> str | None:
-        """Requeue (or, past ``max_recoveries``, fail) an abandoned job; None if another worker
-        recovered it first."""
+        """Requeue (or, past ``max_recoveries``, fail with ``reason``) an abandoned job; None if
+        another worker recovered it first. ``max_recoveries`` -1 fails it at once."""
         result = self._recover(
             keys=[f"rq:wip:{self.queue_name}", f"rq:queue:{self.queue_name}", f"rq:failed:{self.queue_name}"],
             args=[
                 job_id,
                 execution_id,
-                "WorkerLost",
+                reason,
                 max_recoveries,
                 failure_ttl,
                 datetime.now(UTC).timestamp(),

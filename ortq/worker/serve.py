@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ortq import keys
-from ortq.errors import EXIT_DEVICE_LOST, AdapterNotFound, ConfigurationError
+from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, AdapterNotFound, ConfigurationError
 from ortq.metrics import WorkerMetrics
 from ortq.settings import Settings
 from ortq.worker.adapters import (
@@ -163,7 +163,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
 
 def serve(config: WorkerConfig, settings: Settings) -> int:
     """Run a worker until it is stopped (or, with ``burst``, until its queue is empty); returns
-    the process's exit status: 0, or EXIT_DEVICE_LOST when the GPU went away under it."""
+    the process's exit status: 0, EXIT_DEVICE_LOST when the GPU went away under it, EXIT_CRASHED
+    when an unexpected error ended it."""
     worker = build_worker(config, settings)
     server = None
     if config.metrics_port:
@@ -177,7 +178,9 @@ def serve(config: WorkerConfig, settings: Settings) -> int:
     finally:
         if server is not None:
             server.close()
-    return EXIT_DEVICE_LOST if worker.device_lost is not None else 0
+    if worker.device_lost is not None:
+        return EXIT_DEVICE_LOST
+    return EXIT_CRASHED if worker.crashed is not None else 0
 
 
 def worker_metrics(worker: OrtqWorker) -> WorkerMetrics:

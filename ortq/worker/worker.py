@@ -31,7 +31,7 @@ from rq.worker import WorkerStatus
 
 from ortq import keys, wire
 from ortq.errors import EXIT_DEVICE_LOST, DeviceLost, JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
-from ortq.rqjob import JobRecord, OrtqJob
+from ortq.rqjob import MAX_SECONDS, JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.worker.base import PublishingWorker, WorkerIdentity
@@ -90,6 +90,8 @@ class OrtqWorker(PublishingWorker):
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
         #: Set when a run failed because the GPU is gone; the worker then stops (see serve.py).
         self.device_lost: DeviceLost | None = None
+        #: Set when an unexpected error ended the work loop (see serve.py's exit status).
+        self.crashed: Exception | None = None
         self.pulse: Pulse[list[_Pending]] = Pulse(self._beat_during_run, settings.heartbeat_seconds)
 
     def register_birth(self) -> None:
@@ -109,6 +111,13 @@ class OrtqWorker(PublishingWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[OrtqJob, Queue] | None:
+        try:
+            return self._dequeue(timeout, max_idle_time)
+        except Exception as exc:
+            self.crashed = exc  # RQ's work loop logs it and quits; serve.py exits with EXIT_CRASHED
+            raise
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[OrtqJob, Queue] | None:
         """Take the next job (BLMOVE into RQ's intermediate list, as RQ does), start it and, when
         batching, up to ``max_batch - 1`` more; the batch is kept for ``execute_job``.
 
@@ -141,13 +150,23 @@ class OrtqWorker(PublishingWorker):
                 # Busy from here: a stop request now waits for the job instead of abandoning it
                 # between the start script (status "started") and its run.
                 self._state = WorkerStatus.BUSY
-                batch = self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - 1)
+                batch = self.bookkeeping.start(raw_id, self.max_batch - 1)
                 waited = time.perf_counter()
                 batch += self._wait_for_more(queue, len(batch))
                 self._batch_wait = time.perf_counter() - waited
-                if batch:
+                while batch:  # RQ's code paths get the first job as RQ loads it
+                    try:
+                        first = self._full_job(batch[0])
+                    except Exception as exc:  # a forged hash RQ cannot read: fail it, never crash
+                        bad = batch.pop(0)
+                        forbidden = JobRecord.parse(bad.job_id, bad.job_hash).forbidden
+                        if forbidden is not None:
+                            self._reject(bad, "UnknownJobFunction", forbidden, {})
+                        else:
+                            self._reject(bad, "InvalidJob", f"RQ cannot read this job's record: {exc!r}"[:500], {})
+                        continue
                     self._batch = batch
-                    return self._full_job(batch[0]), queue
+                    return first, queue
                 self._state = WorkerStatus.IDLE
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -174,7 +193,7 @@ class OrtqWorker(PublishingWorker):
             raw_id = self._pop(queue, left)
             if raw_id is None:
                 break
-            more += self.bookkeeping.start(keys.as_text(raw_id), self.max_batch - have - len(more) - 1)
+            more += self.bookkeeping.start(raw_id, self.max_batch - have - len(more) - 1)
         return more
 
     def _full_job(self, started: StartedJob) -> OrtqJob:
@@ -190,6 +209,13 @@ class OrtqWorker(PublishingWorker):
         Each job is checked on its own and a bad one fails alone; the good ones run in groups of
         batch-compatible inputs, and all of them are replied to and finished in one round trip.
         """
+        try:
+            self._execute(queue)
+        except Exception as exc:
+            self.crashed = exc
+            raise
+
+    def _execute(self, queue: Queue) -> None:
         batch, self._batch = self._batch, []
         pending: list[_Pending] = []
         for started in batch:
@@ -344,7 +370,7 @@ class OrtqWorker(PublishingWorker):
     @staticmethod
     def _ttl(from_job: int | None, default: int) -> int:
         """The job's own result/failure ttl when it is a positive number of seconds, else ortq's."""
-        return from_job if from_job is not None and from_job > 0 else default
+        return min(from_job, MAX_SECONDS) if from_job is not None and from_job > 0 else default
 
     def _fail(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         """Fail one started job: its error reply first (unless it will be retried), then RQ's own
@@ -354,7 +380,11 @@ class OrtqWorker(PublishingWorker):
     def _fail_once(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         error_type = type(exc).__name__
         message = str(exc) or error_type
-        job = self._full_job(started)  # the full record: RQ's failure path writes all of it back
+        try:
+            job = self._full_job(started)  # the full record: RQ's failure path writes all of it back
+        except Exception as unreadable:  # a forged hash RQ cannot read: fail it without RQ
+            self._reject(started, error_type, f"{message} (and RQ cannot read its record: {unreadable!r})", timings)
+            return
         job.ended_at = now()
         if isinstance(exc, OrtqError) or error_type in _PERMANENT_ERRORS:
             job.retries_left = None  # the job itself is wrong: another attempt would fail the same way
@@ -371,6 +401,17 @@ class OrtqWorker(PublishingWorker):
         self.execution.created_at = started.started_at
         self.handle_job_failure(job, queue, exc_string=f"{error_type}: {message}")
         self.set_state(WorkerStatus.IDLE)
+
+    def _reject(self, started: StartedJob, error_type: str, message: str, timings: dict[str, float]) -> None:
+        """Fail a job whose RQ record RQ cannot load (so RQ's failure path cannot run): the error
+        reply, status failed and the failed registry, written by one fenced script."""
+        log.error("job %s failed without RQ: %s: %s", started.job_id, error_type, message)
+        error = wire.encode_error(error_type, message, timings)
+        self.bookkeeping.recover(
+            started.job_id, started.execution_id, -1, self.settings.failure_ttl, error, f"{error_type}: {message}"
+        )
+        if self.metrics is not None:
+            self.metrics.job_failed(error_type, timings)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+import redis
 
 from ortq.errors import EXIT_CONFIGURATION, OrtqError
 from ortq.settings import Settings
@@ -341,4 +342,7 @@ def run() -> None:
         sys.exit(130)
     except OrtqError as exc:
         click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_CONFIGURATION)
+    except redis.exceptions.NoPermissionError as exc:
+        click.echo(f"ortq: the Redis user lacks a permission: {exc} (see docs/security.md)", err=True)
         sys.exit(EXIT_CONFIGURATION)

@@ -6,6 +6,7 @@ would, for the workers' records).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -35,7 +36,9 @@ def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
     live = []
     for name, raw in zip(names, records, strict=True):
         if raw is None:  # the worker died without cleaning up; its record expired
-            connection.srem(keys.WORKERS_SET, name)
+            # A read-only (monitor) user may not prune; the name is skipped all the same.
+            with contextlib.suppress(redis.exceptions.NoPermissionError):
+                connection.srem(keys.WORKERS_SET, name)
             continue
         record = json.loads(raw)
         # RQ's own worker hash holds the live state and counters.

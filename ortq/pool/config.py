@@ -17,6 +17,7 @@ from typing import Any, TypeVar, overload
 
 from ortq import keys
 from ortq.errors import ConfigurationError
+from ortq.settings import redacted_url
 
 PROVIDERS = ("cpu", "cuda", "dml", "auto")
 POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
@@ -241,7 +242,7 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
 
     redis_url = pool.string("redis_url")
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise pool.error(f"redis_url must start with redis://, rediss:// or unix://, got {redis_url!r}")
+        raise pool.error(f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(redis_url)!r}")
     log_dir = pool.string("log_dir")
     fields: dict[str, Any] = {
         "redis_url": redis_url,

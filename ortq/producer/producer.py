@@ -38,6 +38,11 @@ _SIGNATURE_CACHE_SECONDS = 5.0
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
+def _is_down(exc: Exception) -> bool:
+    """Redis unreachable, as opposed to refusing this client (a login, a missing ACL permission)."""
+    return not isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError)
+
+
 class _Outage:
     """A wait that rides out Redis restarting (replies are kept by Redis, so a result may still
     come) until its deadline, then says whether it was Redis that was missing."""
@@ -48,6 +53,8 @@ class _Outage:
         self._delay = 0.05
 
     def wait(self, exc: Exception) -> None:
+        if not _is_down(exc):
+            raise exc  # refused, not unreachable: waiting will not help
         self.last = exc
         time.sleep(max(0.0, min(self._delay, self.deadline - time.monotonic())))
         self._delay = min(self._delay * 2, 1.0)
@@ -216,6 +223,8 @@ class Producer:
             try:
                 queued = self.connection.llen(keys.queue_key(model))
             except _REDIS_DOWN as exc:
+                if not _is_down(exc):
+                    raise
                 raise BrokerUnavailable(f"could not enqueue for {model!r}: Redis unavailable ({exc})") from exc
             if queued + len(frames) > limit:
                 raise QueueFull(
@@ -228,6 +237,8 @@ class Producer:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
                 pipe.execute()
         except _REDIS_DOWN as exc:
+            if not _is_down(exc):
+                raise
             raise BrokerUnavailable(
                 f"could not enqueue {len(frames)} job(s) for {model!r}: Redis unavailable ({exc}); if the "
                 "connection dropped during the write they may have been enqueued"

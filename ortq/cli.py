@@ -11,15 +11,11 @@ import click
 import numpy as np
 import redis
 
+from ortq.cliopts import redis_url_option
 from ortq.errors import EXIT_CONFIGURATION, OrtqError
 from ortq.settings import Settings
 
-_REDIS_URL = click.option(
-    "--redis-url",
-    envvar="ORTQ_REDIS_URL",
-    default=None,
-    help="Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
-)
+_REDIS_URL = redis_url_option()
 
 
 def _settings(redis_url: str | None) -> Settings:

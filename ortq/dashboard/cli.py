@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ortq.cliopts import redis_url_option
 from ortq.settings import Settings
 
 
@@ -28,12 +29,7 @@ who is asking, since rq-dashboard's pages at /rq/ can delete and requeue jobs.
     show_default=True,
     help="Port to listen on; 0: any free port.",
 )
-@click.option(
-    "--redis-url",
-    envvar="ORTQ_REDIS_URL",
-    default=None,
-    help="Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
-)
+@redis_url_option()
 def dashboard(host: str, port: int, redis_url: str | None) -> None:
     """Serve the web dashboard: ortq's models, workers and queues at /, rq-dashboard at /rq/.
 

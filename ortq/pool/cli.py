@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import click
 from click.core import ParameterSource
 
+from ortq.cliopts import redis_url_option
 from ortq.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -43,11 +44,8 @@ nothing left to run after giving up on workers. See docs/pool.md, deploy/pool.ex
 )
 @click.option("--check", is_flag=True, help="Validate, resolve adapters and print the plan, then exit (0 / 2).")
 @click.option("--force", is_flag=True, help="Start even where the workers' memory estimate exceeds an adapter's.")
-@click.option(
-    "--redis-url",
-    envvar="ORTQ_REDIS_URL",
-    default=None,
-    help="Redis for every worker (default: the config's redis_url, else $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
+@redis_url_option(
+    help="Redis for every worker (default: the config's redis_url, else $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0)."
 )
 @click.pass_context
 def pool(ctx: click.Context, config_path: Path, check: bool, force: bool, redis_url: str | None) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 from rq.queue import Queue
@@ -19,6 +21,12 @@ from ortq.settings import Settings
 from ortq.worker.bookkeeping import Bookkeeping
 
 log = logging.getLogger("ortq.worker")
+
+T = TypeVar("T")
+
+#: Longest Redis outage a worker rides out while it holds finished work (outputs or an error it
+#: has not delivered yet); past it, it exits and the surviving workers take its jobs back.
+REDIS_OUTAGE_LIMIT = 120.0
 
 #: How many times a job may be taken back from a dead worker before it is failed instead.
 MAX_RECOVERIES = 2
@@ -87,3 +95,20 @@ class Maintenance:
                 registry.remove(job_id, pipeline=pipe)
             pipe.execute()
         self.connection.delete(lock)
+
+
+def despite_outage(what: str, call: Callable[[], T]) -> T:
+    """``call()``, retried through a Redis outage of up to REDIS_OUTAGE_LIMIT seconds: what it
+    writes (answers, failures) exists nowhere else. The scripts are fenced, so a call that ran
+    but whose reply was lost does nothing the second time."""
+    delay = 0.5
+    deadline = time.monotonic() + REDIS_OUTAGE_LIMIT
+    while True:
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ortq.errors import CanaryMismatch, ModelLoadError, ProviderUnavailable
+from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
 from ortq.worker.runtime import DISTRIBUTION_FOR_PROVIDER, import_onnxruntime
 
@@ -116,7 +117,25 @@ class LoadedModel:
     def run_options(self) -> Any:
         return importlib.import_module("onnxruntime").RunOptions()
 
-    def run(self, inputs: dict[str, np.ndarray], run_options: Any = None) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
+        """``session.run``; with ``timeout``, stopped by ONNX Runtime itself once that many seconds
+        pass (``RunOptions.terminate``, set from a timer thread): a timer-based timeout like RQ's
+        cannot interrupt native code."""
+        if timeout is None:
+            return self._run(inputs, None)
+        options = self.run_options()
+        timer = threading.Timer(timeout, setattr, (options, "terminate", True))
+        timer.start()
+        try:
+            return self._run(inputs, options)
+        except Exception as exc:
+            if options.terminate:
+                raise JobTimeout(f"the run was stopped after the job's timeout of {timeout:g} s") from exc
+            raise
+        finally:
+            timer.cancel()
+
+    def _run(self, inputs: dict[str, np.ndarray], run_options: Any) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs, run_options)
         return dict(zip(self.output_names, values, strict=True))
 

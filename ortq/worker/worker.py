@@ -14,15 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import redis
 from rq.defaults import DEFAULT_WORKER_TTL
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
@@ -38,7 +36,7 @@ from ortq.worker.base import PublishingWorker, WorkerIdentity
 from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
 from ortq.worker.devicelost import DeviceLostMatcher
-from ortq.worker.maintenance import Maintenance
+from ortq.worker.maintenance import Maintenance, despite_outage
 from ortq.worker.pulse import Pulse
 from ortq.worker.session import LoadedModel
 
@@ -53,12 +51,6 @@ _PERMANENT_ERRORS = (
     "UnknownJobFunction",
     "RequestExpired",
 )
-
-#: Longest Redis outage a worker rides out while it holds finished work (outputs or an error it
-#: has not delivered yet); past it, it exits and the surviving workers take its jobs back.
-REDIS_OUTAGE_LIMIT = 120.0
-
-T = TypeVar("T")
 
 
 class OrtqWorker(PublishingWorker):
@@ -113,6 +105,8 @@ class OrtqWorker(PublishingWorker):
     ) -> tuple[OrtqJob, Queue] | None:
         try:
             return self._dequeue(timeout, max_idle_time)
+        except StopRequested:  # RQ's signal handler, for a stop while idle: a clean exit
+            raise
         except Exception as exc:
             self.crashed = exc  # RQ's work loop logs it and quits; serve.py exits with EXIT_CRASHED
             raise
@@ -211,6 +205,8 @@ class OrtqWorker(PublishingWorker):
         """
         try:
             self._execute(queue)
+        except StopRequested:
+            raise
         except Exception as exc:
             self.crashed = exc
             raise
@@ -229,7 +225,7 @@ class OrtqWorker(PublishingWorker):
         except DeviceLost as exc:
             self._give_back(pending, finished, exc)
         if finished:
-            self._despite_outage("delivering results", lambda: self.bookkeeping.finish(finished))
+            despite_outage("delivering results", lambda: self.bookkeeping.finish(finished))
         self.execution = None
         self._state = WorkerStatus.IDLE
 
@@ -240,7 +236,7 @@ class OrtqWorker(PublishingWorker):
         answered = {f.started.job_id for f in finished}
         for item in pending:
             if item.job.job_id not in answered:
-                self._despite_outage(
+                despite_outage(
                     "requeueing after device loss",
                     lambda item=item: self.maintenance.take_back(  # type: ignore[misc]
                         item.job.job_id, item.started.execution_id, f"worker {self.name} lost its device"
@@ -250,22 +246,6 @@ class OrtqWorker(PublishingWorker):
         self._stop_requested = True
         if self.metrics is not None:
             self.metrics.set_ready(False)
-
-    def _despite_outage(self, what: str, call: Callable[[], T]) -> T:
-        """``call()``, retried through a Redis outage of up to REDIS_OUTAGE_LIMIT seconds: what it
-        writes (answers, failures) exists nowhere else. The scripts are fenced, so a call that ran
-        but whose reply was lost does nothing the second time."""
-        delay = 0.5
-        deadline = time.monotonic() + REDIS_OUTAGE_LIMIT
-        while True:
-            try:
-                return call()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def _prepare(self, started: StartedJob, queue: Queue) -> _Pending | None:
         """Decode and check one job's request; fail the job (and return None) if it is bad."""
@@ -308,31 +288,13 @@ class OrtqWorker(PublishingWorker):
             self.bookkeeping.refresh_started(pipe, [(m.started, m.job.timeout) for m in members])
             pipe.execute()
 
-    def _run_with_timeout(self, inputs: dict[str, np.ndarray], timeout: float | None) -> dict[str, np.ndarray]:
-        """``session.run``, stopped by ONNX Runtime itself (``RunOptions.terminate``, set from a
-        timer thread) once ``timeout`` seconds pass: RQ's timer-based timeouts cannot interrupt
-        native code."""
-        if timeout is None:
-            return self.model.run(inputs)
-        options = self.model.run_options()
-        timer = threading.Timer(timeout, setattr, (options, "terminate", True))
-        timer.start()
-        try:
-            return self.model.run(inputs, options)
-        except Exception as exc:
-            if options.terminate:
-                raise JobTimeout(f"the run was stopped after the job's timeout of {timeout:g} s") from exc
-            raise
-        finally:
-            timer.cancel()
-
     def _run_group(self, members: list[_Pending], queue: Queue) -> list[FinishedJob]:
         """One run for the group; if it fails, each job runs alone so that only the bad one fails."""
         t0 = time.perf_counter()
         timeouts = [m.job.timeout for m in members if m.job.timeout is not None and m.job.timeout > 0]
         try:
             with self.pulse.running(members):
-                outputs = self._run_with_timeout(concat([m.inputs for m in members]), min(timeouts, default=None))
+                outputs = self.model.run(concat([m.inputs for m in members]), timeout=min(timeouts, default=None))
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
         except JobTimeout as exc:
             for member in members:  # running them again would only time out again
@@ -375,7 +337,7 @@ class OrtqWorker(PublishingWorker):
     def _fail(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         """Fail one started job: its error reply first (unless it will be retried), then RQ's own
         failure path (failed registry, retries); neither when another worker has taken it back."""
-        self._despite_outage("failing a job", lambda: self._fail_once(started, queue, exc, timings))
+        despite_outage("failing a job", lambda: self._fail_once(started, queue, exc, timings))
 
     def _fail_once(self, started: StartedJob, queue: Queue, exc: BaseException, timings: dict[str, float]) -> None:
         error_type = type(exc).__name__

@@ -1,0 +1,16 @@
+"""Options several ``ortq`` commands share (their own module: the command packages and
+ortq/cli.py both import it, and ortq/cli.py imports the command packages)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+def redis_url_option(
+    help: str = "Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--redis-url``, read from $ORTQ_REDIS_URL when not given (None when neither is)."""
+    return click.option("--redis-url", envvar="ORTQ_REDIS_URL", default=None, help=help)

@@ -12,7 +12,7 @@ import numpy as np
 import redis
 
 from ortq.cliopts import redis_url_option
-from ortq.errors import EXIT_CONFIGURATION, OrtqError
+from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, OrtqError
 from ortq.settings import Settings
 
 _REDIS_URL = redis_url_option()
@@ -339,6 +339,9 @@ def run() -> None:
     except OrtqError as exc:
         click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_CONFIGURATION)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # unreachable: may pass, so status 1
+        click.echo(f"ortq: Redis unavailable: {exc}", err=True)
+        sys.exit(EXIT_CRASHED)
     except redis.exceptions.NoPermissionError as exc:
         click.echo(f"ortq: the Redis user lacks a permission: {exc} (see docs/security.md)", err=True)
         sys.exit(EXIT_CONFIGURATION)

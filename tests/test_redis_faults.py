@@ -4,6 +4,8 @@ every write, as docs/reliability.md asks of a production Redis) and restarts it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +79,8 @@ def test_producers_get_a_clear_error_when_redis_is_gone(durable_redis: LocalRedi
         job.result(timeout=2)
     with pytest.raises(BrokerUnavailable, match="had no result"):
         producer.results([job], timeout=2)
+    with pytest.raises(BrokerUnavailable, match="unavailable"):
+        Producer(settings=Settings.from_url(durable_redis.url))
+    info = subprocess.run([sys.executable, "-m", "ortq", "info", "--redis-url", durable_redis.url],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert info.returncode == 1 and "Redis unavailable" in info.stderr and "Traceback" not in info.stderr, info.stderr

@@ -28,7 +28,7 @@ from ortq.errors import (
 from ortq.producer.enqueue import PRIORITIES, JobOptions, add_enqueue
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import Settings
+from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
 #: Seconds a fetched model signature is trusted before it is read again.
@@ -114,7 +114,11 @@ class Producer:
         validate: bool = True,
     ) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
-        self.connection = connection or self.settings.connect()
+        try:
+            # One PING: a refused login or certificate is a ConfigurationError here, at once.
+            self.connection = connection or self.settings.connect()
+        except _REDIS_DOWN as exc:
+            raise BrokerUnavailable(f"Redis at {redacted_url(self.settings.redis_url)} unavailable: {exc}") from exc
         self.validate = validate
         self._signatures: dict[str, tuple[float, ModelSignature | None]] = {}
 

@@ -190,30 +190,39 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     assert job.status() == "finished"
 
 
-def _gather_model(path: Path) -> Path:
-    """y = table[i]: a run fails inside ONNX Runtime (not in ortq's checks) when i is out of range."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    table = numpy_helper.from_array(np.arange(4, dtype=np.float32), "table")
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "i"], ["y"])], "gather",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, ["n"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])], initializer=[table],
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
+def test_a_busy_worker_takes_back_a_dead_workers_job_during_its_own_run(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Runs of several seconds each, heartbeats every second: a dead worker is seen after 3 s.
+    longest = onnx_models.slow_model(models_dir / "longest.onnx", 12 * onnx_models.SLOW_MODEL_LOOPS)
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "1")
+    workers.serve(longest, model_name, redis_url, 2)
+    x = {"x": np.ones((1, 256), np.float32)}
+    doomed, busy = producer.submit_many(model_name, [x, x])
+    deadline = time.monotonic() + 30
+    while {doomed.status(), busy.status()} != {"started"} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim = connection.hget(keys.job_key(doomed.id), "worker_name")
+    record = json.loads(connection.get(keys.worker_key(keys.as_text(victim or b"?"))) or b"{}")
+    os.kill(record["pid"], signal.SIGKILL)
+    # The survivor is in the middle of its own long run, yet its heartbeat thread requeues the
+    # dead worker's job (it used to wait until the survivor was idle again).
+    deadline = time.monotonic() + 30
+    while doomed.status() == "started" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert doomed.status() == "queued"
+    assert busy.status() == "started", "the survivor finished its run before taking the job back"
+    assert connection.hget(keys.job_key(doomed.id), "ortq_recoveries") == b"1"
 
 
 def test_a_failing_run_is_retried_with_backoff_then_fails(
     producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
     connection: redis.Redis,
 ) -> None:  # fmt: skip
-    workers.serve(_gather_model(models_dir / "gather.onnx"), model_name, redis_url)
+    workers.serve(onnx_models.gather_model(models_dir / "gather.onnx"), model_name, redis_url)
     started = time.monotonic()
-    job = producer.submit(model_name, {"i": np.array([7])}, retries=2, retry_backoff=1)
+    job = producer.submit(model_name, {"idx": np.array([7])}, retries=2, retry_backoff=1)
     with pytest.raises(InferenceFailed) as caught:
         job.result(timeout=60)
     # Three runs, one and then two seconds apart: only the last failure is answered.
@@ -223,9 +232,9 @@ def test_a_failing_run_is_retried_with_backoff_then_fails(
     assert job.status() == "failed"
     # Bad input is never retried: it would fail the same way.
     unchecked = Producer(settings=Settings.from_url(redis_url), validate=False)
-    bad = unchecked.submit(model_name, {"i": np.array([0.5])}, retries=3)
+    bad = unchecked.submit(model_name, {"idx": np.array([0.5])}, retries=3)
     with pytest.raises(InferenceFailed, match="InvalidInput"):
         bad.result(timeout=30)
     assert connection.hget(keys.job_key(bad.id), "retries_left") == b"3"
-    good = producer.infer(model_name, {"i": np.array([3, 1])}, timeout=30)
-    np.testing.assert_array_equal(good["y"], [3.0, 1.0])
+    good = producer.infer(model_name, {"idx": np.array([3, 1])}, timeout=30)
+    np.testing.assert_array_equal(good["y"], [40.0, 20.0])  # gather_model's table: 10, 20, 30, 40

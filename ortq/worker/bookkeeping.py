@@ -332,11 +332,12 @@ class Bookkeeping:
         )
         return [keys.as_text(r) for r in rescued]
 
-    def abandoned(self, dead_after: float) -> list[tuple[str, str, str]]:
+    def abandoned(self, dead_after: float, own: bool = True) -> list[tuple[str, str, str]]:
         """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
         no heartbeat for ``dead_after`` seconds (or whose records are gone), and those of this
         worker itself: it asks only while idle, so a started job of its own is one whose start
-        reply was lost (a Redis restart or dropped connection) and that nothing will run."""
+        reply was lost (a Redis restart or dropped connection) and that nothing will run. With
+        ``own`` False (asked during a run) this worker's entries are left alone."""
         wip = f"rq:wip:{self.queue_name}"
         entries = [keys.as_text(e) for e in cast(list[bytes], self._connection.zrange(wip, 0, -1))]
         if not entries:
@@ -353,6 +354,8 @@ class Bookkeeping:
         now = datetime.now(UTC)
         found = []
         for entry, owner in zip(entries, owners, strict=True):
+            if owner == self.worker_name and not own:
+                continue
             last = None if owner == self.worker_name else parse_rq_time(beats.get(owner) if owner else None)
             if last is None or (now - last).total_seconds() > dead_after:
                 job_id, _, execution_id = entry.rpartition(":")

@@ -58,12 +58,17 @@ class Maintenance:
             self._last_retry_scan = time.monotonic()
             self.enqueue_due_retries()
 
-    def recover_abandoned(self, dead_after: float) -> None:
+    def while_running(self) -> None:
+        """Called from the heartbeat thread during a run: other workers' abandoned jobs are taken
+        back even when every worker of the model is busy with long runs."""
+        self.recover_abandoned(dead_after=3 * self.settings.heartbeat_seconds, own=False)
+
+    def recover_abandoned(self, dead_after: float, own: bool = True) -> None:
         """Take back jobs whose worker died mid-run (SIGKILL, OOM, a GPU reset): their started
         entry stays while their worker's heartbeat, kept up even during a run (pulse.py), stops.
         Such a job is requeued at the front, or failed with WorkerLost once it has been taken back
         MAX_RECOVERIES times (a job that crashes every worker must not crash them all)."""
-        for job_id, execution_id, owner in self.bookkeeping.abandoned(dead_after):
+        for job_id, execution_id, owner in self.bookkeeping.abandoned(dead_after, own):
             if owner == self.worker_name:
                 message = "this worker's reply to starting the job was lost (Redis restarted or the connection dropped)"
             else:

@@ -287,6 +287,7 @@ class OrtqWorker(PublishingWorker):
             self._publish(pipe)
             self.bookkeeping.refresh_started(pipe, [(m.started, m.job.timeout) for m in members])
             pipe.execute()
+        self.maintenance.while_running()
 
     def _run_group(self, members: list[_Pending], queue: Queue) -> list[FinishedJob]:
         """One run for the group; if it fails, each job runs alone so that only the bad one fails."""

@@ -8,15 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 import redis
+from rq.command import send_shutdown_command
 
 from ortq import keys
 from ortq.errors import ProviderUnavailable
+from ortq.producer import Producer
+from ortq.settings import Settings
 from ortq.worker.runtime import check_single_runtime, installed_runtimes
 from ortq.worker.session import SessionPlan, load_model
-from tests.conftest import REPO, WorkerProcesses
+from tests import onnx_models
+from tests.conftest import REPO, WorkerProcesses, eventually
 
 
 def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -100,6 +105,25 @@ def test_sigterm_finishes_and_unregisters(
     assert connection.get(keys.worker_key(names[0])) is None
     assert names[0].encode() not in connection.smembers(keys.WORKERS_SET)
     assert connection.hget(f"rq:worker:{names[0]}", "death") is not None  # RQ saw a clean death too
+
+
+def test_a_shutdown_command_through_redis_lets_the_running_job_finish(
+    redis_url: str, model_name: str, workers: WorkerProcesses, connection: redis.Redis, models_dir: Path
+) -> None:
+    """RQ's shutdown command (what ``ortq pool`` sends on Windows, where no console may exist):
+    the running job is answered, then the worker unregisters and exits 0."""
+    slow = onnx_models.slow_model(models_dir / "slow-shutdown.onnx", 2 * onnx_models.SLOW_MODEL_LOOPS)
+    workers.serve(slow, model_name, redis_url)
+    process, _ = workers.processes[0]
+    [name] = [n.decode() for n in connection.smembers(keys.WORKERS_SET) if n.decode().startswith(model_name + ".")]
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
+        eventually(lambda: job.status() == "started")
+        send_shutdown_command(connection, name)
+        assert "y" in job.result(timeout=60)
+    assert process.wait(30) == 0, workers.logs()
+    assert "shutdown command received" in workers.logs()
+    assert connection.get(keys.worker_key(name)) is None
 
 
 def test_missing_model_file_is_a_clear_error(redis_url: str, model_name: str, tmp_path: Path) -> None:

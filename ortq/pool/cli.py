@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -93,7 +94,7 @@ def _run(plan: Plan, settings: Settings) -> int:
     verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
     config = plan.config
     supervisor = Supervisor(build_slots(plan, settings.redis_url, verbose), config.restart, config.grace_seconds,
-                            config.log_dir)  # fmt: skip
+                            config.log_dir, send_shutdown=_shutdown_through_redis(settings))  # fmt: skip
 
     def stop(signum: int, frame: FrameType | None) -> None:
         supervisor.request_stop(f"got {signal.Signals(signum).name}")
@@ -102,3 +103,20 @@ def _run(plan: Plan, settings: Settings) -> int:
     for name in names:
         signal.signal(getattr(signal, name), stop)
     return supervisor.run()
+
+
+def _shutdown_through_redis(settings: Settings) -> Callable[[str], None] | None:
+    """On Windows, how the pool asks a worker to stop: RQ's shutdown command over Redis, which
+    needs no console (POSIX pools send SIGTERM)."""
+    if sys.platform != "win32":
+        return None
+    from rq.command import send_shutdown_command
+
+    def send(worker_name: str) -> None:
+        connection = settings.connect(check=False)
+        try:
+            send_shutdown_command(connection, worker_name)
+        finally:
+            connection.close()
+
+    return send

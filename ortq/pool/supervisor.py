@@ -5,8 +5,9 @@ Each worker is its own fresh interpreter (``sys.executable -m ortq worker ...`` 
 subprocess, never fork: a forked ONNX Runtime or CUDA/DirectML state is not usable), in its own
 process group, so that a terminal's Ctrl+C reaches only the pool, which then asks each worker
 exactly once: RQ takes a second signal more than a second after the first as "stop now", which
-abandons the running job. The stop request is SIGTERM on POSIX and CTRL_BREAK_EVENT on Windows
-(the worker's SIGBREAK handler); what has not exited after the grace period is killed.
+abandons the running job. The stop request is SIGTERM on POSIX; on Windows it is RQ's shutdown
+command through Redis (a service has no console), else CTRL_BREAK_EVENT (the worker's SIGBREAK
+handler); what has not exited after the grace period is killed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
@@ -70,7 +71,11 @@ class Supervisor:
         grace_seconds: float,
         log_dir: Path | None = None,
         output: TextIO | None = None,
+        send_shutdown: Callable[[str], None] | None = None,
     ) -> None:
+        #: Asks the worker of that name to stop through Redis (RQ's shutdown command); used on
+        #: Windows, where a pool running as a service has no console to send CTRL_BREAK_EVENT with.
+        self.send_shutdown = send_shutdown
         self.policy = policy
         self.grace_seconds = grace_seconds
         self.log_dir = log_dir
@@ -252,6 +257,12 @@ class Supervisor:
         if sys.platform != "win32":
             worker.process.send_signal(signal.SIGTERM)
             return
+        if self.send_shutdown is not None:
+            try:
+                self.send_shutdown(worker.name)
+                return
+            except Exception as exc:  # Redis unreachable: fall back to the console event
+                log.warning("could not send worker %s a shutdown command (%s)", worker.slot.label, exc)
         try:
             # The worker is its own process group (CREATE_NEW_PROCESS_GROUP): the event goes to it alone.
             os.kill(worker.process.pid, signal.CTRL_BREAK_EVENT)

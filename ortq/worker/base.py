@@ -100,6 +100,24 @@ class PublishingWorker(SimpleWorker):
             pipe.execute()
         super().register_death()
 
+    def handle_payload(self, message: dict[str, Any]) -> None:
+        """RQ's commands over its pub/sub channel (``rq.command.send_shutdown_command``, used by
+        ``ortq pool`` on Windows, where a service has no console for CTRL_BREAK). RQ's own handler
+        signals SIGINT to itself, which on Windows is TerminateProcess: here a shutdown is a warm
+        stop request instead, seen by the work loop between jobs."""
+        try:
+            command = json.loads(message["data"]).get("command")
+        except (ValueError, TypeError, AttributeError, KeyError):
+            log.warning("ignoring an unreadable command on %s", self.pubsub_channel_name)
+            return
+        if command != "shutdown":
+            log.warning("ignoring command %r: an ortq worker only takes 'shutdown'", command)
+            return
+        log.info("worker %s: shutdown command received; stopping after the current job", self.name)
+        if self.metrics is not None:
+            self.metrics.set_ready(False)
+        self._stop_requested = True
+
     def request_stop(self, signum: Any, frame: Any) -> None:
         if self.metrics is not None:
             self.metrics.set_ready(False)  # stop sending it traffic: it finishes what it has, then exits

@@ -123,6 +123,8 @@ class OrtqWorker(PublishingWorker):
         idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
         backoff = 0.5
         while True:
+            if self._stop_requested:  # a shutdown command (base.py) while idle
+                return None
             try:
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:

@@ -1,9 +1,10 @@
 """``ortq pool`` on Windows CPython 3.12 under Wine, CPU provider, driven from Linux: the plan
 (``--check``, the working-set measurement), a pool of two workers serving jobs that equal a Linux
 CPU ``session.run``, a worker killed with TerminateProcess and restarted, and the stop: Linux SIGINT
-to the pool (CTRL_C_EVENT under Wine), which then sends CTRL_BREAK_EVENT to each worker's process
-group. Wine 8 cannot deliver CTRL_BREAK_EVENT (tests/windows/README.md): the pool then terminates
-its workers, and the clean-stop part is xfail there, as in test_windows_worker.py.
+to the pool (CTRL_C_EVENT under Wine), which then asks each worker to stop with RQ's shutdown
+command through Redis (what works for a pool running as a service, without a console). Only if
+that cannot be sent does it fall back to CTRL_BREAK_EVENT, which Wine 8 cannot deliver
+(tests/windows/README.md): then the pool terminates its workers and that part is xfail.
 
 Same environment and skip rules as test_windows_worker.py (tests/windows/setup.sh builds it).
 """
@@ -130,7 +131,7 @@ def test_pool_serves_restarts_and_stops_on_windows(wine: WineSession, tmp_path: 
             assert_outputs_equal(producer.infer(model, {"pixels": row}, timeout=120),
                                  cpu_reference(MODEL_PATH, {"pixels": row}))  # fmt: skip
 
-            # Stop: Linux SIGINT is CTRL_C_EVENT to the pool, which asks its workers with CTRL_BREAK_EVENT.
+            # Stop: Linux SIGINT is CTRL_C_EVENT to the pool, which asks its workers through Redis.
             pool.send_sigint()
             try:
                 code = pool.wait(POOL_STOP_TIMEOUT)

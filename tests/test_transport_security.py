@@ -34,7 +34,7 @@ import redis
 from rq.utils import utcformat
 
 from ortq import keys
-from ortq.errors import ConfigurationError, InferenceFailed
+from ortq.errors import BrokerUnavailable, ConfigurationError, InferenceFailed
 from ortq.localredis import find_redis_server, free_port
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, job_hash
@@ -388,7 +388,7 @@ def test_bad_credentials_and_untrusted_certificates_are_clear_errors(tls_redis: 
         with pytest.raises(ConfigurationError, match=message) as caught:
             Producer(settings=Settings.from_url(url))
         assert producer_password not in str(caught.value), what
-    with pytest.raises(redis.ConnectionError):  # not TLS at all: the server drops the connection
+    with pytest.raises(BrokerUnavailable):  # not TLS at all: the server drops the connection
         Producer(settings=Settings.from_url(f"redis://127.0.0.1:{tls_redis.port}/0"))
 
     # The CLI: one line on stderr and exit status 2, before and after loading a model.

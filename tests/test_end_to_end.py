@@ -118,10 +118,14 @@ def test_producer_validates_against_the_published_signature(
     assert connection.llen(keys.queue_key(model_name)) == 0
 
 
-def _enqueue_raw(connection: redis.Redis, model: str, frame: bytes) -> str:
+def _enqueue_raw(connection: redis.Redis, model: str, frame: bytes, **forged: bytes) -> str:
+    """Enqueue ``frame`` unchecked; ``forged`` job hash fields replace ortq's in the same MULTI, so
+    that no worker sees the job before them."""
     options = JobOptions(request_ttl=60, result_ttl=60, failure_ttl=60)
     with connection.pipeline() as pipe:
         job_id = add_enqueue(pipe, model, frame, options)
+        if forged:
+            pipe.hset(keys.job_key(job_id), mapping=forged)
         pipe.execute()
     return job_id
 
@@ -149,8 +153,8 @@ def test_worker_survives_bad_jobs_and_then_serves(
                     "WireFormatError", "magic"),
     }  # fmt: skip
     # A job hash naming another callable, written straight into Redis as an attacker would.
-    forged = unchecked.job(_enqueue_raw(connection, model_name, encode_request({"x": good})), model_name)
-    connection.hset(keys.job_key(forged.id), "data", MsgpackSerializer.dumps(["tests.canary.tripwire", None, [], {}]))
+    data = MsgpackSerializer.dumps(["tests.canary.tripwire", None, [], {}])
+    forged = unchecked.job(_enqueue_raw(connection, model_name, encode_request({"x": good}), data=data), model_name)
     failing["other function"] = (forged, "UnknownJobFunction", "tests.canary.tripwire")
     ok_job = unchecked.submit(model_name, {"x": good})
 

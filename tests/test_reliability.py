@@ -56,12 +56,13 @@ def test_nothing_is_unpickled_in_a_full_run(
     x = np.ones((2, 4), np.float32)
     good = producer.submit_many(model_name, [{"x": x}] * 5)
     bad = producer.submit(model_name, {"x": np.ones((2, 3), np.float32)})
+    # A job hash as an attacker would write it: pickled data naming a callable (in the same MULTI
+    # as its enqueue, so that no worker sees the job before its data is replaced).
+    pickled = b"\x80\x04\x95" + MsgpackSerializer.dumps(["os.system"])
     with producer.connection.pipeline() as pipe:
         forged_id = add_enqueue(pipe, model_name, encode_request({"x": x}), JobOptions(60, 60, 60))
+        pipe.hset(keys.job_key(forged_id), "data", pickled)
         pipe.execute()
-    # A job hash as an attacker would write it: pickled data naming a callable.
-    pickled = b"\x80\x04\x95" + MsgpackSerializer.dumps(["os.system"])
-    producer.connection.hset(keys.job_key(forged_id), "data", pickled)
     for outputs in producer.results(good, timeout=30):
         np.testing.assert_array_equal(outputs["y"], x * 2 + 1)
     with pytest.raises(InferenceFailed, match="InvalidInput"):

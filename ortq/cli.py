@@ -303,6 +303,44 @@ def info(as_json: bool, redis_url: str | None) -> None:
     click.echo(json.dumps(data, indent=2) if as_json else format_info(data))
 
 
+@main.command(
+    epilog="""Examples:
+
+\b
+  ortq stop --model resnet                       # every resnet worker, on every host
+  ortq stop --model resnet --host gpu-box-1      # those on one host (a Windows task's, say)
+  ortq stop --worker resnet.gpu-box-1.4242 --wait 0
+"""
+)
+@click.option("--model", default=None, help="Stop the workers of this model.")
+@click.option("--worker", "names", multiple=True, metavar="NAME", help="Stop this worker (repeatable; see ortq info).")
+@click.option("--host", default=None, help="Only workers on this host.")
+@click.option(
+    "--wait", type=click.FloatRange(min=0), default=60.0, show_default=True, help="Seconds to wait for them (0: don't)."
+)
+@_REDIS_URL
+def stop(model: str | None, names: tuple[str, ...], host: str | None, wait: float, redis_url: str | None) -> None:
+    """Ask workers to stop: each finishes its current job, unregisters and exits 0.
+
+    Sent through Redis (RQ's shutdown command), so it reaches workers on any host, in containers and
+    in Windows scheduled tasks, where no signal or console may reach them. Exit status 1 when no
+    worker matched or some were still running after --wait.
+    """
+    from ortq.control import live_workers, select_workers, stop_workers
+
+    if model is None and not names and host is None:
+        raise click.UsageError("say which workers: --model, --worker and/or --host")
+    connection = _settings(redis_url).connect()
+    chosen = [r["name"] for r in select_workers(live_workers(connection), model, names, host)]
+    if not chosen:
+        click.echo("no live worker matches", err=True)
+        sys.exit(1)
+    still = stop_workers(connection, chosen, wait)
+    for name in chosen:
+        click.echo(f"{name}: {'still running' if name in still else 'stopped' if wait else 'asked to stop'}")
+    sys.exit(1 if still else 0)
+
+
 @main.command(epilog="Examples:\n\n\b\n  ortq demo\n  ortq demo --redis-url redis://127.0.0.1:6379/0")
 @_REDIS_URL
 @click.option("--workers", type=click.IntRange(1, 8), default=1, show_default=True, help="Worker processes.")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ortq.producer import Producer
 from tests.conftest import REPO, WorkerProcesses
 
 
@@ -84,8 +85,24 @@ def test_bulk_infer_over_a_folder(
     assert ortq("infer", model_name, "--redis-url", redis_url).returncode == 2  # neither --input nor --input-dir
 
 
+def test_stop_asks_the_chosen_workers_to_stop(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, producer: Producer
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url, 2)
+    other = model_name + "-other"
+    workers.serve(tiny_path, other, redis_url, 1)
+    done = ortq("stop", "--model", model_name, "--redis-url", redis_url)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(": stopped") == 2
+    assert [p.wait(30) for p, _ in workers.processes[:2]] == [0, 0]
+    assert producer.workers(model_name) == []
+    assert len(producer.workers(other)) == 1 and workers.processes[2][0].poll() is None
+    assert ortq("stop", "--model", model_name, "--redis-url", redis_url).returncode == 1  # none left
+    assert ortq("stop", "--redis-url", redis_url).returncode == 2  # says which
+
+
 def test_every_command_has_help_with_examples() -> None:
-    for command in ("worker", "infer", "info", "demo", "adapters", "pool", "dashboard"):
+    for command in ("worker", "infer", "info", "demo", "adapters", "pool", "dashboard", "stop"):
         done = ortq(command, "--help")
         assert done.returncode == 0 and "Examples:" in done.stdout, command
 

@@ -6,7 +6,6 @@ A producer needs numpy, msgpack and redis only; it never imports ONNX Runtime.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -15,6 +14,7 @@ import numpy as np
 import redis
 
 from ortq import keys, wire
+from ortq.control import live_workers
 from ortq.errors import (
     BrokerUnavailable,
     ConfigurationError,
@@ -264,10 +264,7 @@ class Producer:
 
     def workers(self, model: str) -> list[dict[str, Any]]:
         """The published records of the live workers serving ``model``."""
-        names = sorted(keys.as_text(n) for n in self.connection.smembers(keys.WORKERS_SET))
-        records = self.connection.mget([keys.worker_key(n) for n in names]) if names else []
-        live = (json.loads(raw) for raw in records if raw is not None)
-        return [record for record in live if record.get("model") == model]
+        return [record for record in live_workers(self.connection) if record.get("model") == model]
 
     def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""

@@ -1,0 +1,52 @@
+"""Stopping workers from anywhere: ``ortq stop`` sends RQ's shutdown command (a PUBLISH on the
+worker's ``rq:pubsub:<name>`` channel), which an ortq worker takes as a warm stop: it finishes its
+job, unregisters and exits 0. It needs no signal and no console, so it reaches workers on other
+hosts, in containers and in Windows scheduled tasks alike."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from rq.command import send_shutdown_command
+
+from ortq import keys
+
+
+def live_workers(connection: redis.Redis) -> list[dict[str, Any]]:
+    """The published records of every live ortq worker."""
+    names = sorted(keys.as_text(n) for n in connection.smembers(keys.WORKERS_SET))
+    records = connection.mget([keys.worker_key(n) for n in names]) if names else []
+    return [json.loads(raw) for raw in records if raw is not None]
+
+
+def select_workers(
+    records: Sequence[dict[str, Any]], model: str | None, names: Sequence[str], host: str | None
+) -> list[dict[str, Any]]:
+    """The records that match every filter given (model, any of ``names``, host)."""
+    return [
+        r
+        for r in records
+        if (model is None or r.get("model") == model)
+        and (not names or r.get("name") in names)
+        and (host is None or r.get("host") == host)
+    ]
+
+
+def stop_workers(connection: redis.Redis, names: Sequence[str], wait: float) -> list[str]:
+    """Ask each named worker to stop; wait up to ``wait`` seconds for their records to go.
+    Returns the names still registered at the end (empty: all stopped, or not waited for)."""
+    for name in names:
+        send_shutdown_command(connection, name)
+    deadline = time.monotonic() + wait
+    pending = list(names)
+    while pending and wait > 0:
+        alive = connection.mget([keys.worker_key(n) for n in pending])
+        pending = [n for n, raw in zip(pending, alive, strict=True) if raw is not None]
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return pending if wait > 0 else []

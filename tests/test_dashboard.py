@@ -28,7 +28,7 @@ from rq_dashboard import web
 
 from ortq import keys
 from ortq.dashboard import rqdash
-from ortq.errors import InferenceFailed
+from ortq.errors import ConfigurationError, InferenceFailed
 from ortq.info import collect
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
@@ -374,7 +374,7 @@ def test_unpatched_rq_dashboard_unpickles(scene: Scene, tmp_path: Path) -> None:
 
 def test_install_refuses_an_unknown_rq_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(web, "Job", type("SomethingElse", (), {}))
-    with pytest.raises(RuntimeError, match=r"rq_dashboard\.web\.Job is not RQ's Job"):
+    with pytest.raises(ConfigurationError, match=r"rq_dashboard\.web\.Job is not RQ's Job"):
         rqdash.install()
 
 

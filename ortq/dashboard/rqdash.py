@@ -33,6 +33,7 @@ from flask import Blueprint, current_app
 from rq_dashboard import web
 from rq_dashboard.version import VERSION as RQ_DASHBOARD_VERSION
 
+from ortq.errors import ConfigurationError
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import redacted_url
@@ -109,7 +110,7 @@ def install() -> Blueprint:
     for name, (original, replacement) in _REPLACEMENTS.items():
         current = getattr(web, name, None)
         if current is not original and current is not replacement:
-            raise RuntimeError(
+            raise ConfigurationError(
                 f"rq-dashboard {RQ_DASHBOARD_VERSION}: rq_dashboard.web.{name} is not RQ's {name}; "
                 "ortq cannot make this version pickle-free (it was checked on rq-dashboard 0.9)"
             )

@@ -7,7 +7,9 @@ PATH, and DIR holding conv.onnx, tiny.onnx, digits.onnx built here by tests/onnx
 It checks, and prints, each step:
 1. ``ortq adapters --json`` lists the GPU with its UUID, and the CPU;
 2. workers started with ``--provider cuda`` and ``--adapter 0``, ``--adapter name:<part of its
-   name>`` and ``--adapter uuid:<prefix>`` all resolve to that GPU, really run on
+   name>`` (or, where several GPUs share the name, that spec is refused as ambiguous) and
+   ``--adapter uuid:<prefix>`` all resolve to that GPU, and every other GPU is resolved by its index
+   and by its UUID (a two-GPU host: the two-GPU issue's step 1); each worker really runs on
    CUDAExecutionProvider, pass the CPU canary, and return outputs within tolerance of a CPU
    ``session.run`` on the same inputs;
 3. side by side in one run: direct CUDA ``session.run`` vs ortq (sequential p50, drain jobs/s)
@@ -80,6 +82,18 @@ def check_worker(
     finally:
         result_code = stop(process)
     result["exit_code"] = result_code
+    print(json.dumps(result))
+    return result
+
+
+def ambiguous(model: Path, url: str, spec: str) -> dict[str, Any]:
+    """A worker started with an --adapter spec that matches several GPUs: refused, exit 2."""
+    done = subprocess.run([sys.executable, "-m", "ortq", "worker", "--model", str(model), "--name", "ambiguous",
+                           "--provider", "cuda", "--adapter", spec, "--redis-url", url],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    # "exit_code" is that of stopping a worker elsewhere in this script: none was left running here.
+    result = {"adapter_spec": spec, "worker_exit": done.returncode, "exit_code": 0, "stderr": done.stderr[-500:],
+              "ok": done.returncode == 2 and "AmbiguousAdapter" in done.stderr}  # fmt: skip
     print(json.dumps(result))
     return result
 
@@ -161,12 +175,23 @@ def main() -> None:
     assert gpus and gpus[0]["uuid"], "no CUDA device listed"
     gpu = gpus[0]
     name_part = gpu["name"].split()[-1]  # e.g. "H200"
+    unique_name = sum(name_part in g["name"] for g in gpus) == 1
     with LocalRedis() as server, Producer(settings=Settings.from_url(server.url)) as producer:
         checks = [
             check_worker(producer, args.models / "conv.onnx", "conv-a", server.url, "0", gpu),
-            check_worker(producer, args.models / "digits.onnx", "digits-b", server.url, f"name:{name_part}", gpu),
             check_worker(producer, args.models / "tiny.onnx", "tiny-c", server.url, f"uuid:{gpu['uuid'][:12]}", gpu),
         ]
+        if unique_name:
+            checks.append(
+                check_worker(producer, args.models / "digits.onnx", "digits-b", server.url, f"name:{name_part}", gpu)
+            )
+        else:  # several GPUs of one model: a name must be refused as ambiguous, not guessed
+            checks.append(ambiguous(args.models / "tiny.onnx", server.url, f"name:{name_part}"))
+        # Every other GPU, by index and by UUID: each must resolve to that GPU and no other.
+        for i, other in enumerate(gpus[1:], start=1):
+            tiny = args.models / "tiny.onnx"
+            checks.append(check_worker(producer, tiny, f"tiny-i{i}", server.url, str(i), other))
+            checks.append(check_worker(producer, tiny, f"tiny-u{i}", server.url, f"uuid:{other['uuid'][:16]}", other))
         report["checks"] = checks
         report["speed_conv_batch1"] = speed(producer, args.models / "conv.onnx", "conv-speed", server.url)
         rng = np.random.default_rng(2)

@@ -12,7 +12,8 @@ conv model at ``--max-batch 32`` it checks, and prints, each step:
 3. throughput: the same number of jobs drained by the workers of one GPU, then by the workers of
    every GPU (two pools, one after the other, in one run; ``--producers`` processes submit);
 4. SIGKILL of one worker mid-drain: the pool restarts it on the same GPU, no job is lost, and the
-   outputs equal a CPU ``session.run`` of the same inputs (within TF32 tolerance).
+   outputs equal a CPU ``session.run`` of the same inputs (within TF32 tolerance);
+5. the same drain with 1, 2, 4 (``--sweep``) workers on the first GPU, for sizing.
 Exit status 0 only if every check held.
 """
 
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--per-gpu", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2048)
     parser.add_argument("--producers", type=int, default=4)
+    parser.add_argument("--sweep", default="1,2,4", help="Workers on the first GPU to compare, e.g. 1,2,4.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = (args.models / "conv.onnx").resolve()
@@ -160,6 +162,7 @@ def main() -> None:
         if len(rates) > 1:
             report["two_over_one"] = rates[2] / rates[1]
             checks.append(report["two_over_one"] >= 1.8)
+        report["workers_on_one_gpu"] = sweep(producer, folder, model, server.url, uuids[0], args)
         report["kill"] = kill = kill_mid_drain(producer, folder, model, server.url, uuids, args.per_gpu)
         checks.append(kill["ok"])
     report["ok"] = all(checks)
@@ -167,6 +170,24 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=1))
     print("ALL CHECKS PASSED" if report["ok"] else "SOME CHECKS FAILED")
     sys.exit(0 if report["ok"] else 1)
+
+
+def sweep(
+    producer: Producer, folder: Path, model: Path, url: str, uuid: str, args: argparse.Namespace
+) -> dict[str, float]:
+    """Drain jobs/s with 1, 2, 4, ... workers on one GPU, side by side in one run: how many
+    workers per GPU pay (docs/operations.md)."""
+    rates: dict[str, float] = {}
+    for count in (int(n) for n in args.sweep.split(",")):
+        pool = run_pool(write_config(folder, model, url, [uuid], count))
+        try:
+            producer.wait_for_workers(MODEL, count, timeout=300)
+            drain(url, 256, args.producers)
+            rates[str(count)] = drain(url, args.jobs, args.producers)
+        finally:
+            stop_pool(pool)
+        print(json.dumps({"workers_on_one_gpu": count, "jobs_per_s": rates[str(count)]}))
+    return rates
 
 
 def kill_mid_drain(

@@ -62,32 +62,38 @@ def compute_apps() -> list[dict[str, str]]:
     ]
 
 
+#: Each model's one input (name, one row's shape); the queue is named after the model's file.
+INPUTS = {"conv": ("image", (1, 3, 224, 224)), "digits": ("pixels", (1, 64))}
+
+
 def write_config(folder: Path, model: Path, url: str, uuids: list[str], per_gpu: int) -> Path:
     groups = "".join(f'\n[[model.workers]]\nadapter = "uuid:{u}"\ncount = {per_gpu}\n' for u in uuids)
-    path = folder / f"pool-{len(uuids)}gpu.toml"
+    path = folder / f"pool-{model.stem}-{len(uuids)}gpu.toml"
     path.write_text(
         f'[pool]\nredis_url = "{url}"\nmetrics_port_base = {METRICS_BASE}\ngrace_seconds = 30\n'
-        f'log_dir = "{folder / "logs"}"\n\n[[model]]\nname = "{MODEL}"\npath = "{model}"\nprovider = "cuda"\n'
+        f'log_dir = "{folder / "logs"}"\n\n[[model]]\nname = "{model.stem}"\npath = "{model}"\nprovider = "cuda"\n'
         f"max_batch = 32\nmax_wait_ms = 2\n{groups}"
     )
     return path
 
 
-def submit_and_wait(url: str, seed: int, count: int) -> list[str]:
-    """One producer process: ``count`` jobs, then their results; returns the job ids."""
+def submit_and_wait(url: str, seed: int, count: int, name: str = MODEL) -> list[str]:
+    """One producer process: ``count`` jobs for model ``name``, then their results; the job ids."""
     rng = np.random.default_rng(seed)
+    input_name, shape = INPUTS[name]
     with Producer(settings=Settings.from_url(url)) as producer:
-        x = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
-        jobs = producer.submit_many(MODEL, [{"image": x}] * count)
+        x = rng.standard_normal(shape).astype(np.float32)
+        jobs = producer.submit_many(name, [{input_name: x}] * count)
         producer.results(jobs, timeout=600)
         return [job.id for job in jobs]
 
 
-def drain(url: str, jobs: int, producers: int) -> float:
+def drain(url: str, jobs: int, producers: int, name: str = MODEL) -> float:
     """Jobs per second for ``jobs`` jobs submitted by ``producers`` processes at once."""
     started = time.perf_counter()
     with ProcessPoolExecutor(producers) as pool:
-        list(pool.map(submit_and_wait, [url] * producers, range(producers), [jobs // producers] * producers))
+        list(pool.map(submit_and_wait, [url] * producers, range(producers), [jobs // producers] * producers,
+                      [name] * producers))  # fmt: skip
     return jobs / (time.perf_counter() - started)
 
 
@@ -178,15 +184,21 @@ def sweep(
     """Drain jobs/s with 1, 2, 4, ... workers on one GPU, side by side in one run: how many
     workers per GPU pay (docs/operations.md)."""
     rates: dict[str, float] = {}
-    for count in (int(n) for n in args.sweep.split(",")):
-        pool = run_pool(write_config(folder, model, url, [uuid], count))
-        try:
-            producer.wait_for_workers(MODEL, count, timeout=300)
-            drain(url, 256, args.producers)
-            rates[str(count)] = drain(url, args.jobs, args.producers)
-        finally:
-            stop_pool(pool)
-        print(json.dumps({"workers_on_one_gpu": count, "jobs_per_s": rates[str(count)]}))
+    for path in (model, model.with_name("digits.onnx")):
+        jobs = args.jobs if path.stem == MODEL else 4 * args.jobs
+        for count in (int(n) for n in args.sweep.split(",")):
+            pool = run_pool(write_config(folder, path, url, [uuid], count))
+            try:
+                producer.wait_for_workers(path.stem, count, timeout=300)
+                drain(url, 256, args.producers, path.stem)
+                rates[f"{path.stem} x{count}"] = drain(url, jobs, args.producers, path.stem)
+            finally:
+                stop_pool(pool)
+            print(
+                json.dumps(
+                    {"model": path.stem, "workers_on_one_gpu": count, "jobs_per_s": rates[f"{path.stem} x{count}"]}
+                )
+            )
     return rates
 
 

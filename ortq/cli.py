@@ -13,7 +13,7 @@ import redis
 
 from ortq.cliopts import redis_url_option
 from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, OrtqError
-from ortq.settings import Settings
+from ortq.settings import REDIS_DOWN, Settings
 
 _REDIS_URL = redis_url_option()
 
@@ -377,7 +377,7 @@ def run() -> None:
     except OrtqError as exc:
         click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_CONFIGURATION)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:  # unreachable: may pass, so status 1
+    except REDIS_DOWN as exc:  # unreachable: may pass, so status 1
         click.echo(f"ortq: Redis unavailable: {exc}", err=True)
         sys.exit(EXIT_CRASHED)
     except redis.exceptions.NoPermissionError as exc:

@@ -21,6 +21,10 @@ from ortq.wire import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
+#: What redis-py raises when Redis cannot be reached (refused, reset, timed out), which every
+#: ortq loop that rides out an outage catches. A refused login (AuthenticationError) is one too.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
 #: TLS options redis-py takes as ``rediss://`` URL query parameters (e.g. ``?ssl_ca_certs=/etc/ortq/ca.crt``).
 _TLS_URL_OPTIONS = frozenset(
     p for p in inspect.signature(redis.SSLConnection.__init__).parameters if p.startswith("ssl_")

@@ -28,14 +28,11 @@ from ortq.errors import (
 from ortq.producer.enqueue import PRIORITIES, JobOptions, add_enqueue
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import Settings, redacted_url
+from ortq.settings import REDIS_DOWN, Settings, redacted_url
 from ortq.signature import ModelSignature
 
 #: Seconds a fetched model signature is trusted before it is read again.
 _SIGNATURE_CACHE_SECONDS = 5.0
-
-
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 def _is_down(exc: Exception) -> bool:
@@ -117,7 +114,7 @@ class Producer:
         try:
             # One PING: a refused login or certificate is a ConfigurationError here, at once.
             self.connection = connection or self.settings.connect()
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise BrokerUnavailable(f"Redis at {redacted_url(self.settings.redis_url)} unavailable: {exc}") from exc
         self.validate = validate
         self._signatures: dict[str, tuple[float, ModelSignature | None]] = {}
@@ -226,7 +223,7 @@ class Producer:
             # Checked before the MULTI: several producers at once can overshoot by their batches.
             try:
                 queued = self.connection.llen(keys.queue_key(model))
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 if not _is_down(exc):
                     raise
                 raise BrokerUnavailable(f"could not enqueue for {model!r}: Redis unavailable ({exc})") from exc
@@ -240,7 +237,7 @@ class Producer:
             with self.connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
                 pipe.execute()
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             if not _is_down(exc):
                 raise
             raise BrokerUnavailable(
@@ -297,7 +294,7 @@ class Producer:
             try:
                 # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
                 frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 outage.wait(exc)
                 continue
             if frame is not None:
@@ -315,7 +312,7 @@ class Producer:
                     for i in pending:
                         pipe.lindex(keys.reply_key(job_ids[i]), 0)
                     frames = pipe.execute()
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 outage.wait(exc)
                 if time.monotonic() >= outage.deadline:
                     message = f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s"
@@ -336,7 +333,7 @@ class Producer:
             oldest = keys.reply_key(job_ids[pending[0]])
             try:
                 self.connection.blmove(oldest, oldest, min(remaining, self.settings.block_slice), "RIGHT", "LEFT")  # type: ignore[arg-type]
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 outage.wait(exc)
 
     def results(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 from rq.queue import Queue
 from rq.registry import DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import now
@@ -22,11 +21,9 @@ from ortq import keys
 from ortq.metrics import WorkerMetrics
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import Settings
+from ortq.settings import REDIS_DOWN, Settings
 
 log = logging.getLogger("ortq.worker")
-
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -136,7 +133,7 @@ class PublishingWorker(SimpleWorker):
                 super().heartbeat(timeout, pipeline=pipe)
                 self._publish(pipe)
                 pipe.execute()
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             # RQ's work loop quits on any error it sees; a missed beat is retried by the next one
             # (the dequeue loop rides out the outage itself).
             log.warning("heartbeat failed: Redis unavailable (%s)", exc)
@@ -191,11 +188,11 @@ class PublishingWorker(SimpleWorker):
             self._last_suspension_check = time.monotonic()
             try:
                 super().check_for_suspension(burst)
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 log.warning("suspension check failed: Redis unavailable (%s)", exc)
 
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()
-        except _REDIS_DOWN as exc:  # RQ's maintenance runs again at its next interval
+        except REDIS_DOWN as exc:  # RQ's maintenance runs again at its next interval
             log.warning("RQ maintenance failed: Redis unavailable (%s)", exc)

@@ -17,7 +17,7 @@ from rq.registry import ScheduledJobRegistry
 from ortq import keys, wire
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import Settings
+from ortq.settings import REDIS_DOWN, Settings
 from ortq.worker.bookkeeping import Bookkeeping
 
 log = logging.getLogger("ortq.worker")
@@ -111,7 +111,7 @@ def despite_outage(what: str, call: Callable[[], T]) -> T:
     while True:
         try:
             return call()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             if time.monotonic() > deadline:
                 raise
             log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)

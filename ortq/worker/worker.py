@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import redis
 from rq.defaults import DEFAULT_WORKER_TTL
 from rq.exceptions import StopRequested
 from rq.executions import Execution
@@ -31,7 +30,7 @@ from ortq import keys, wire
 from ortq.errors import EXIT_DEVICE_LOST, DeviceLost, JobTimeout, OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqjob import MAX_SECONDS, JobRecord, OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import Settings
+from ortq.settings import REDIS_DOWN, Settings
 from ortq.worker.base import PublishingWorker, WorkerIdentity
 from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.bookkeeping import Bookkeeping, FinishedJob, StartedJob
@@ -165,7 +164,7 @@ class OrtqWorker(PublishingWorker):
                     return first, queue
                 self._state = WorkerStatus.IDLE
                 # Its hash expired while it waited (its ttl passed): RQ skips such jobs too.
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 # Redis restarting or unreachable: wait and reconnect (redis-py reconnects on the
                 # next command), backing off to at most 5 s, and never exit for it.
                 self._state = WorkerStatus.IDLE

@@ -40,6 +40,13 @@ def _is_down(exc: Exception) -> bool:
     return not isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError)
 
 
+def _unavailable(exc: Exception, message: str) -> BrokerUnavailable:
+    """The error to raise for ``exc`` caught as REDIS_DOWN; a refusal is re-raised as it is."""
+    if not _is_down(exc):
+        raise exc
+    return BrokerUnavailable(f"{message}: Redis unavailable ({exc})")
+
+
 class _Outage:
     """A wait that rides out Redis restarting (replies are kept by Redis, so a result may still
     come) until its deadline, then says whether it was Redis that was missing."""
@@ -59,7 +66,7 @@ class _Outage:
     def error(self, message: str) -> OrtqError:
         if self.last is None:
             return ResultTimeout(message)
-        return BrokerUnavailable(f"{message}: Redis unavailable ({self.last})")
+        return _unavailable(self.last, message)
 
 
 class InferenceJob:
@@ -115,7 +122,7 @@ class Producer:
             # One PING: a refused login or certificate is a ConfigurationError here, at once.
             self.connection = connection or self.settings.connect()
         except REDIS_DOWN as exc:
-            raise BrokerUnavailable(f"Redis at {redacted_url(self.settings.redis_url)} unavailable: {exc}") from exc
+            raise _unavailable(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
         self.validate = validate
         self._signatures: dict[str, tuple[float, ModelSignature | None]] = {}
 
@@ -224,9 +231,7 @@ class Producer:
             try:
                 queued = self.connection.llen(keys.queue_key(model))
             except REDIS_DOWN as exc:
-                if not _is_down(exc):
-                    raise
-                raise BrokerUnavailable(f"could not enqueue for {model!r}: Redis unavailable ({exc})") from exc
+                raise _unavailable(exc, f"could not enqueue for {model!r}") from exc
             if queued + len(frames) > limit:
                 raise QueueFull(
                     f"queue {keys.queue_name(model)} holds {queued} jobs; {len(frames)} more would pass "
@@ -238,11 +243,9 @@ class Producer:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
                 pipe.execute()
         except REDIS_DOWN as exc:
-            if not _is_down(exc):
-                raise
+            error = _unavailable(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
             raise BrokerUnavailable(
-                f"could not enqueue {len(frames)} job(s) for {model!r}: Redis unavailable ({exc}); if the "
-                "connection dropped during the write they may have been enqueued"
+                f"{error}; if the connection dropped during the write they may have been enqueued"
             ) from exc
         return [InferenceJob(self, job_id, model) for job_id in ids]
 

@@ -11,10 +11,12 @@ through RQ's own ``handle_job_failure``, after their error reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,13 +104,8 @@ class OrtqWorker(PublishingWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[OrtqJob, Queue] | None:
-        try:
+        with self._noting_crashes():
             return self._dequeue(timeout, max_idle_time)
-        except StopRequested:  # RQ's signal handler, for a stop while idle: a clean exit
-            raise
-        except Exception as exc:
-            self.crashed = exc  # RQ's work loop logs it and quits; serve.py exits with EXIT_CRASHED
-            raise
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[OrtqJob, Queue] | None:
         """Take the next job (BLMOVE into RQ's intermediate list, as RQ does), start it and, when
@@ -204,9 +201,16 @@ class OrtqWorker(PublishingWorker):
         Each job is checked on its own and a bad one fails alone; the good ones run in groups of
         batch-compatible inputs, and all of them are replied to and finished in one round trip.
         """
-        try:
+        with self._noting_crashes():
             self._execute(queue)
-        except StopRequested:
+
+    @contextlib.contextmanager
+    def _noting_crashes(self) -> Iterator[None]:
+        """Remember an unexpected error on its way to RQ's work loop, which logs it and quits:
+        serve.py then exits with EXIT_CRASHED, not 0."""
+        try:
+            yield
+        except StopRequested:  # RQ's signal handler, for a stop while idle: a clean exit
             raise
         except Exception as exc:
             self.crashed = exc

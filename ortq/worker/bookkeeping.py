@@ -1,16 +1,17 @@
-"""RQ's per-job state changes, done server-side: one script to start jobs, one to finish them.
+"""RQ's per-job state changes, done server-side: scripts that start jobs, finish them, fail them
+(fenced), take them back from dead workers, and rescue them from a lost dequeue reply.
 
 RQ's own worker spends ~20 round trips and ~40 commands on each job (execution record,
 registries, worker and job hashes, result stream), each packed and parsed in Python. A GPU
-model often runs faster than that. Here the same writes happen inside two Lua scripts, one
-``EVALSHA`` each, so a job costs three round trips in all: the dequeue, ``start`` (with the
+model often runs faster than that. Here the same writes happen inside Lua scripts, one
+``EVALSHA`` each, so a successful job costs three round trips in all: the dequeue, ``start`` (with the
 GET of its request frame), ``finish``; a batch of jobs costs one more, for their frames.
 
 What the scripts write is exactly what RQ 2.12's ``prepare_execution`` +
 ``prepare_job_execution`` and ``handle_job_success`` write (tests/test_rq_views.py reads it
 back through RQ's own APIs: registries, ``Job.fetch``, ``latest_result``, executions). That is
 why ``rq`` is pinned to one minor series. Failures go through RQ's ``handle_job_failure``
-unchanged, so failed registries and retries stay RQ's.
+unchanged (after the fenced ``fail`` script), so failed registries and retries stay RQ's.
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ return {started, dropped}
 # KEYS: finished registry, wip registry, worker
 # ARGV: worker name, job count, then 9 values per job: id, execution id, response frame, ttl,
 #       working seconds, ended (ISO), return value (base64 msgpack), started (epoch s), ended (epoch s)
+# Answer a job: its one response frame in its reply list (the producer blocks on it), replacing
+# anything there, since a job is answered once. Prepended to the scripts that answer jobs.
+_ANSWER = """
+local function answer(id, frame, ttl)
+  local reply = 'ortq:reply:' .. id
+  redis.call('DEL', reply)
+  redis.call('RPUSH', reply, frame)
+  redis.call('EXPIRE', reply, ttl)
+end
+"""
+
 _FINISH = """
 local n = tonumber(ARGV[2])
 -- Fencing: a job whose started-registry entry is gone was recovered from this worker (taken
@@ -97,10 +109,7 @@ for j = 0, n - 1 do
   if redis.call('ZSCORE', KEYS[2], ARGV[b] .. ':' .. ARGV[b + 1]) then table.insert(live, b) end
 end
 for _, b in ipairs(live) do
-  local reply = 'ortq:reply:' .. ARGV[b]
-  redis.call('DEL', reply)
-  redis.call('RPUSH', reply, ARGV[b + 2])
-  redis.call('EXPIRE', reply, ARGV[b + 3])
+  answer(ARGV[b], ARGV[b + 2], ARGV[b + 3])
   redis.call('HSET', 'rq:job:' .. ARGV[b], 'status', 'finished', 'ended_at', ARGV[b + 5])
 end
 local working, finished, wip = 0, {}, {}
@@ -148,10 +157,7 @@ local times = redis.call('HINCRBY', job, 'ortq_recoveries', 1)
 if times > tonumber(ARGV[4]) then
   redis.call('HSET', job, 'status', 'failed', 'exc_info', ARGV[3])
   redis.call('ZADD', KEYS[3], math.floor(tonumber(ARGV[6])) + tonumber(ARGV[5]), ARGV[1])
-  local reply = 'ortq:reply:' .. ARGV[1]
-  redis.call('DEL', reply)
-  redis.call('RPUSH', reply, ARGV[7])
-  redis.call('EXPIRE', reply, ARGV[5])
+  answer(ARGV[1], ARGV[7], ARGV[5])
   redis.call('DEL', 'ortq:req:' .. ARGV[1])
   return 'failed'
 end
@@ -169,10 +175,7 @@ return 'requeued'
 _FAIL = """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1] .. ':' .. ARGV[3]) then return 0 end
 if ARGV[2] ~= '' then
-  local reply = 'ortq:reply:' .. ARGV[1]
-  redis.call('DEL', reply)
-  redis.call('RPUSH', reply, ARGV[2])
-  redis.call('EXPIRE', reply, ARGV[4])
+  answer(ARGV[1], ARGV[2], ARGV[4])
   redis.call('HSET', 'rq:job:' .. ARGV[1], 'status', 'failed')
   redis.call('DEL', 'ortq:req:' .. ARGV[1])
 end
@@ -235,7 +238,7 @@ class FinishedJob:
 
 
 class Bookkeeping:
-    """The two scripts, bound to one connection, one worker and one queue."""
+    """The scripts, bound to one connection, one worker and one queue."""
 
     def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str, default_ttl: int) -> None:
         self.worker_name = worker_name
@@ -243,9 +246,9 @@ class Bookkeeping:
         self.default_ttl = default_ttl
         self._connection = connection
         self._start = connection.register_script(_START)
-        self._finish = connection.register_script(_FINISH)
-        self._recover = connection.register_script(_RECOVER)
-        self._fail = connection.register_script(_FAIL)
+        self._finish = connection.register_script(_ANSWER + _FINISH)
+        self._recover = connection.register_script(_ANSWER + _RECOVER)
+        self._fail = connection.register_script(_ANSWER + _FAIL)
         self._rescue = connection.register_script(_RESCUE)
         self._start_keys = [
             f"rq:queue:{queue_name}",

@@ -277,12 +277,15 @@ def _infer_folder(
     model: str, folder: Path, output_dir: Path | None, input_name: str | None, timeout: float, settings: Settings
 ) -> None:
     from ortq.producer import Producer
-    from ortq.producer.bulk import infer_folder, input_files
+    from ortq.producer.bulk import infer_files, input_files
 
-    total = len(input_files(folder))
-    with Producer(settings=settings) as producer, click.progressbar(length=total, label=model, file=sys.stderr) as bar:
-        summary = infer_folder(
-            producer, model, folder, output_dir, input_name=input_name, timeout=timeout, progress=bar.update
+    files = input_files(folder)
+    with (
+        Producer(settings=settings) as producer,
+        click.progressbar(length=len(files), label=model, file=sys.stderr) as bar,
+    ):
+        summary = infer_files(
+            producer, model, files, output_dir, input_name=input_name, timeout=timeout, progress=bar.update
         )
     click.echo(summary.describe())
     for name, reason in summary.failures[:20]:

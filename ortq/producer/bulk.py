@@ -4,7 +4,7 @@ job; outputs go to ``<stem>.npz`` files. Bad files and failed jobs are reported,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,10 +59,10 @@ def only_input_name(producer: Producer, model: str) -> str | None:
     return None
 
 
-def infer_folder(
+def infer_files(
     producer: Producer,
     model: str,
-    folder: Path,
+    files: Sequence[Path],
     output_dir: Path | None = None,
     *,
     input_name: str | None = None,
@@ -70,9 +70,8 @@ def infer_folder(
     timeout: float = 300.0,
     progress: Callable[[int], None] = lambda done: None,
 ) -> BulkSummary:
-    """Run every file of ``folder`` through ``model``, ``chunk`` jobs in flight at a time;
-    ``progress(n)`` is called as each chunk of ``n`` files is done."""
-    files = input_files(folder)
+    """Run every file (see :func:`input_files`) through ``model``, ``chunk`` jobs in flight at a
+    time; ``progress(n)`` is called as each chunk of ``n`` files is done."""
     name = input_name or only_input_name(producer, model)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,17 @@ from rq.command import send_shutdown_command
 from ortq import keys
 
 
-def live_workers(connection: redis.Redis) -> list[dict[str, Any]]:
-    """The published records of every live ortq worker."""
+def worker_records(connection: redis.Redis) -> list[tuple[str, dict[str, Any] | None]]:
+    """Every name in the workers set with its published record, or None where that expired
+    (a worker that died without unregistering)."""
     names = sorted(keys.as_text(n) for n in connection.smembers(keys.WORKERS_SET))
     records = connection.mget([keys.worker_key(n) for n in names]) if names else []
-    return [json.loads(raw) for raw in records if raw is not None]
+    return [(name, None if raw is None else json.loads(raw)) for name, raw in zip(names, records, strict=True)]
+
+
+def live_workers(connection: redis.Redis) -> list[dict[str, Any]]:
+    """The published records of every live ortq worker."""
+    return [record for _, record in worker_records(connection) if record is not None]
 
 
 def select_workers(

@@ -7,12 +7,12 @@ would, for the workers' records).
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Any
 
 import redis
 
 from ortq import keys, tables
+from ortq.control import worker_records
 from ortq.signature import ModelSignature
 
 
@@ -29,18 +29,13 @@ def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any]
 
 
 def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
-    names = sorted(keys.as_text(n) for n in connection.smembers(keys.WORKERS_SET))
-    if not names:
-        return []
-    records = connection.mget([keys.worker_key(n) for n in names])
     live = []
-    for name, raw in zip(names, records, strict=True):
-        if raw is None:  # the worker died without cleaning up; its record expired
+    for name, record in worker_records(connection):
+        if record is None:  # the worker died without cleaning up; its record expired
             # A read-only (monitor) user may not prune; the name is skipped all the same.
             with contextlib.suppress(redis.exceptions.NoPermissionError):
                 connection.srem(keys.WORKERS_SET, name)
             continue
-        record = json.loads(raw)
         # RQ's own worker hash holds the live state and counters.
         stats = connection.hmget(
             "rq:worker:" + name, ["state", "successful_job_count", "failed_job_count", "current_job"]

@@ -269,14 +269,14 @@ class Bookkeeping:
         # Frames are read with GET/MGET, not inside the script: a script's reply copies every
         # string through Lua, several times slower for frames of hundreds of KB. The first job's
         # frame goes in the same round trip as the script; the others' (batching) in one more.
+        first_text = first_id.decode(errors="replace")  # not text: dropped by the script, GET finds nothing
         with self._connection.pipeline(transaction=False) as pipe:
             self._start(keys=self._start_keys, args=[*args, *executions], client=pipe)
-            pipe.get(keys.request_key(first_id.decode(errors="replace")))
+            pipe.get(keys.request_key(first_text))
             (reply, dropped), first_frame = pipe.execute()
         for entry in dropped:
             log.error("dropped queue entry %r of %s: not a job id ([A-Za-z0-9_-]+)", entry[:80], self.queue_name)
         ids = [keys.as_text(r[0]) for r in reply]
-        first_text = first_id.decode(errors="replace")
         frames: list[bytes | None] = [first_frame] if ids[:1] == [first_text] else []
         if len(ids) > len(frames):
             frames += cast(list[bytes | None], self._connection.mget([keys.request_key(i) for i in ids[len(frames) :]]))

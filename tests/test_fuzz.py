@@ -375,6 +375,7 @@ def test_hostile_job_hashes_and_ids_never_stop_the_worker(
     @example(str(uuid.uuid4()), [("drop", b"data", b"")])
     @example(str(uuid.uuid4()), [("set", b"created_at", b"garbage")])
     @example(str(uuid.uuid4()), [("set", b"timeout", b"99999999999999999999")])
+    @example(str(uuid.uuid4()), [("drop", b"data", b""), ("set", b"ortq_recoveries", b"garbage")])
     @example("job.1", [("set", b"description", b"fine")])
     @example(b"\xff", [("set", b"description", b"fine")])
     def one_job(job_id: str | bytes, changes: list[tuple[str, bytes, bytes]]) -> None:

@@ -153,7 +153,9 @@ local job = 'rq:job:' .. ARGV[1]
 redis.call('DEL', 'rq:execution:' .. composite)
 redis.call('ZREM', 'rq:executions:' .. ARGV[1], ARGV[2])
 if redis.call('EXISTS', job) == 0 then return 'gone' end
-local times = redis.call('HINCRBY', job, 'ortq_recoveries', 1)
+-- Not HINCRBY: a forged non-integer count must not make the script fail (it counts as 0).
+local times = (tonumber(redis.call('HGET', job, 'ortq_recoveries') or '') or 0) + 1
+redis.call('HSET', job, 'ortq_recoveries', times)
 if times > tonumber(ARGV[4]) then
   redis.call('HSET', job, 'status', 'failed', 'exc_info', ARGV[3])
   redis.call('ZADD', KEYS[3], math.floor(tonumber(ARGV[6])) + tonumber(ARGV[5]), ARGV[1])

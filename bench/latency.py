@@ -123,7 +123,7 @@ def measure_ortq(
     command = [sys.executable, "-m", "ortq", "worker", "--model", str(model), "--name", name,
                "--redis-url", url, "--threads", str(threads), "--max-batch", str(max_batch)]  # fmt: skip
     if max_batch > 1:
-        command += ["--max-wait-ms", "1"]
+        command += ["--max-wait-ms", "1", "--rows-independent"]  # conv and digits: one image per row
     processes = [subprocess.Popen(command) for _ in range(workers)]
     try:
         with Producer(settings=Settings.from_url(url)) as producer:

@@ -1,7 +1,7 @@
 """ortq: a Redis job queue that runs ONNX models, one ONNX Runtime session per worker process.
 
-Producers (``ortq.Producer``) need only numpy, msgpack and redis; workers (``ortq worker``)
-add ONNX Runtime. The wire format is in docs/wire-format.md.
+Producers (``ortq.Producer``, and ``ortq.AsyncProducer`` for asyncio) need only numpy, msgpack
+and redis; workers (``ortq worker``) add ONNX Runtime. The wire format is in docs/wire-format.md.
 """
 
 from ortq.errors import (
@@ -9,13 +9,16 @@ from ortq.errors import (
     InvalidInput,
     OrtqError,
     ResultTimeout,
+    UnknownModel,
 )
-from ortq.producer import InferenceJob, Producer
+from ortq.producer import AsyncInferenceJob, AsyncProducer, InferenceJob, Producer
 from ortq.settings import Settings
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncInferenceJob",
+    "AsyncProducer",
     "InferenceFailed",
     "InferenceJob",
     "InvalidInput",
@@ -23,5 +26,6 @@ __all__ = [
     "Producer",
     "ResultTimeout",
     "Settings",
+    "UnknownModel",
     "__version__",
 ]

@@ -12,8 +12,8 @@ import numpy as np
 import redis
 
 from ortq.cliopts import redis_url_option
-from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, OrtqError
-from ortq.settings import REDIS_DOWN, Settings
+from ortq.errors import EXIT_JOB_FAILED, BrokerUnavailable, ConfigurationError, OrtqError, ResultTimeout, exit_status
+from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
 
 _REDIS_URL = redis_url_option()
 
@@ -22,7 +22,31 @@ def _settings(redis_url: str | None) -> Settings:
     return Settings.from_env(redis_url=redis_url)
 
 
-@click.group()
+def _connect(redis_url: str | None) -> redis.Redis:
+    """A checked client; an unreachable Redis is BrokerUnavailable naming it (password left out)."""
+    settings = _settings(redis_url)
+    try:
+        return settings.connect()
+    except REDIS_DOWN as exc:
+        # Worded as the Producer's own (ortq.producer.producer._unavailable).
+        raise BrokerUnavailable(
+            f"cannot reach Redis at {redacted_url(settings.redis_url)}: Redis unavailable ({exc})"
+        ) from exc
+
+
+@click.group(
+    epilog="""Exit statuses:
+
+\b
+  0   done
+  1   Redis unreachable or a wait ran out (may pass: try again later); ortq stop: no worker
+      matched, or some still ran after --wait; ortq worker: it crashed (restart with backoff)
+  2   configuration or usage error: flag, URL, file, input, login, permission (will not pass)
+  3   ortq infer: the job failed on the worker (--input-dir: any file failed)
+  75  ortq worker: the GPU was lost and its jobs requeued (restart now)
+  130 interrupted (Ctrl-C)
+"""
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 def main(verbose: bool) -> None:
     """ortq: run ONNX models behind Redis queues, one ONNX Runtime session per worker process."""
@@ -42,7 +66,7 @@ def main(verbose: bool) -> None:
   ortq worker --model model.onnx --name resnet --provider dml --adapter luid:0x000000000001a2b3
   ortq worker --model model.onnx --name resnet --provider cuda --adapter uuid:GPU-5f3c
   ortq worker --model model.onnx --name resnet --provider auto --policy max-efficiency
-  ortq worker --model model.onnx --name resnet --provider cuda --max-batch 32 --max-wait-ms 2
+  ortq worker --model model.onnx --name resnet --provider cuda --max-batch 32 --max-wait-ms 2 --rows-independent
 """
 )
 @click.option(
@@ -62,7 +86,8 @@ def main(verbose: bool) -> None:
     default="cpu",
     envvar="ORTQ_PROVIDER",
     show_default=True,
-    help="DirectML (Windows), CUDA (NVIDIA), the CPU, or ONNX Runtime's choice by --policy (onnxruntime >= 1.23).",
+    help="DirectML (Windows only), CUDA (NVIDIA; Linux and Windows), the CPU, or ONNX Runtime's choice by "
+    "--policy (onnxruntime >= 1.23).",
 )
 @click.option(
     "--adapter",
@@ -109,6 +134,13 @@ def main(verbose: bool) -> None:
     show_default=True,
     help="With --max-batch: how long to wait for more jobs after the first.",
 )
+@click.option(
+    "--rows-independent",
+    is_flag=True,
+    envvar="ORTQ_ROWS_INDEPENDENT",
+    help="Declare that each output row depends only on the same input row (needed by --max-batch: "
+    "batching joins the rows of several jobs into one run).",
+)
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
 @click.option(
     "--worker-name", default=None, envvar="ORTQ_WORKER_NAME", help="Name in Redis (default <model>.<host>.<pid>)."
@@ -118,7 +150,8 @@ def main(verbose: bool) -> None:
     type=click.IntRange(0, 65535),
     default=0,
     envvar="ORTQ_METRICS_PORT",
-    help="Serve Prometheus /metrics and /ready (200 once serving) on this port; 0: off.",
+    help="Serve Prometheus /metrics, /live and /ready (200 while serving its queue, 503 while starting or "
+    "stopping) on this port; 0: off.",
 )
 @click.option(
     "--metrics-host",
@@ -147,6 +180,7 @@ def worker(
     threads: int | None,
     max_batch: int,
     max_wait_ms: float,
+    rows_independent: bool,
     burst: bool,
     worker_name: str | None,
     metrics_port: int,
@@ -170,6 +204,7 @@ def worker(
         threads=threads,
         max_batch=max_batch,
         max_wait_ms=max_wait_ms,
+        rows_independent=rows_independent,
         burst=burst,
         worker_name=worker_name,
         metrics_port=metrics_port,
@@ -194,15 +229,13 @@ def adapters(as_json: bool) -> None:
         click.echo(f"note: {note}")
 
 
-def _parse_input(spec: str) -> tuple[str, np.ndarray]:
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise click.BadParameter(f"expected NAME=FILE.npy, got {spec!r}", param_hint="--input")
+def _read_inputs(specs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    from ortq.producer.bulk import read_inputs
+
     try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="--input") from exc
-    return name, array
+        return read_inputs(specs)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input") from exc
 
 
 @main.command(
@@ -211,7 +244,12 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
 \b
   ortq infer digits --input pixels=digit.npy
   ortq infer resnet --input image=cat.npy --output out.npz --timeout 10
-  ortq infer resnet --input-dir images/ --output-dir outputs/      # bulk: one job per file
+  ortq infer detector --input inputs.npz                   # every array of the archive, by name
+  ortq infer resnet --input image=cat64.npy --cast         # float64 data into a float32 model
+  ortq infer resnet --input-dir images/ --output-dir out/  # bulk: one job per file
+
+Exit status 0, 1 (Redis unreachable or --timeout passed), 2 (bad input or option) or 3 (the
+worker failed the job; with --input-dir: any file failed).
 """
 )
 @click.argument("model_name")
@@ -219,8 +257,10 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
     "--input",
     "input_specs",
     multiple=True,
-    metavar="NAME=FILE.npy",
-    help="A named input tensor from a .npy file (repeat for several inputs).",
+    metavar="NAME=FILE.npy|FILE.npz",
+    help="Inputs from numpy files (repeatable): NAME=FILE.npy is one named input; FILE.npz gives every array "
+    "of the archive as the input of its name; NAME=FILE.npz the archive's array NAME (or its only one). "
+    "Nothing is unpickled.",
 )
 @click.option(
     "--input-dir",
@@ -236,6 +276,12 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
 )
 @click.option("--input-name", default=None, help="Bulk mode: the input a .npy file holds (default: the only one).")
 @click.option(
+    "--cast",
+    is_flag=True,
+    help="Convert each input to the dtype of the model's published signature (float64 to float32, int64 to "
+    "int32, ints to floats; never floats to ints, nor values that overflow).",
+)
+@click.option(
     "--output",
     "output_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -250,22 +296,34 @@ def infer(
     input_dir: Path | None,
     output_dir: Path | None,
     input_name: str | None,
+    cast: bool,
     output_path: Path | None,
     timeout: float,
     redis_url: str | None,
 ) -> None:
     """Send one job to MODEL_NAME's queue and wait for its outputs (or, with --input-dir, one job
-    per file, with a progress bar and a summary; exit status 1 if any failed)."""
+    per file, with a progress bar and a summary)."""
     from ortq.producer import Producer
+    from ortq.producer.bulk import cast_inputs, check_castable, signature_for_cast
 
     if (input_dir is None) == (not input_specs):
-        raise click.UsageError("give --input NAME=FILE.npy (one job) or --input-dir DIR (bulk), one of the two")
+        raise click.UsageError(
+            "give --input NAME=FILE.npy or --input FILE.npz (one job) or --input-dir DIR (bulk), one of the two"
+        )
     if input_dir is not None:
-        _infer_folder(model_name, input_dir, output_dir, input_name, timeout, _settings(redis_url))
+        _infer_folder(model_name, input_dir, output_dir, input_name, cast, timeout, _settings(redis_url))
         return
-    inputs = dict(_parse_input(spec) for spec in input_specs)
+    inputs = _read_inputs(input_specs)
     with Producer(settings=_settings(redis_url)) as producer:
-        outputs = producer.infer(model_name, inputs, timeout=timeout)
+        if cast:
+            inputs = cast_inputs(inputs, signature_for_cast(producer, model_name))
+        elif (signature := producer.signature(model_name)) is not None:
+            check_castable(inputs, signature)
+        try:
+            outputs = producer.infer(model_name, inputs, timeout=timeout)
+        except ResultTimeout as exc:
+            hint = f"is a worker serving {model_name!r}? see ortq info; or raise --timeout"
+            raise ResultTimeout(f"{exc} ({hint})") from exc
     if output_path is not None:
         np.savez(output_path, **outputs)  # type: ignore[arg-type]
         click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
@@ -274,25 +332,37 @@ def infer(
 
 
 def _infer_folder(
-    model: str, folder: Path, output_dir: Path | None, input_name: str | None, timeout: float, settings: Settings
+    model: str,
+    folder: Path,
+    output_dir: Path | None,
+    input_name: str | None,
+    cast: bool,
+    timeout: float,
+    settings: Settings,
 ) -> None:
     from ortq.producer import Producer
-    from ortq.producer.bulk import infer_files, input_files
+    from ortq.producer.bulk import infer_files, input_files, signature_for_cast
 
     files = input_files(folder)
-    with (
-        Producer(settings=settings) as producer,
-        click.progressbar(length=len(files), label=model, file=sys.stderr) as bar,
-    ):
-        summary = infer_files(
-            producer, model, files, output_dir, input_name=input_name, timeout=timeout, progress=bar.update
-        )
+    with Producer(settings=settings) as producer:
+        signature = signature_for_cast(producer, model) if cast else None
+        with click.progressbar(length=len(files), label=model, file=sys.stderr) as bar:
+            summary = infer_files(
+                producer,
+                model,
+                files,
+                output_dir,
+                input_name=input_name,
+                cast=signature,
+                timeout=timeout,
+                progress=bar.update,
+            )
     click.echo(summary.describe())
     for name, reason in summary.failures[:20]:
         click.echo(f"  failed {name}: {reason}")
     if len(summary.failures) > 20:
         click.echo(f"  ... and {len(summary.failures) - 20} more")
-    sys.exit(1 if summary.failures else 0)
+    sys.exit(EXIT_JOB_FAILED if summary.failures else 0)
 
 
 @main.command(epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'")
@@ -302,7 +372,7 @@ def info(as_json: bool, redis_url: str | None) -> None:
     """Show models, their workers (provider, device, host, pid) and queue depths."""
     from ortq.info import collect, format_info
 
-    data = collect(_settings(redis_url).connect())
+    data = collect(_connect(redis_url))
     click.echo(json.dumps(data, indent=2) if as_json else format_info(data))
 
 
@@ -333,7 +403,7 @@ def stop(model: str | None, names: tuple[str, ...], host: str | None, wait: floa
 
     if model is None and not names and host is None:
         raise click.UsageError("say which workers: --model, --worker and/or --host")
-    connection = _settings(redis_url).connect()
+    connection = _connect(redis_url)
     chosen = [r["name"] for r in select_workers(live_workers(connection), model, names, host)]
     if not chosen:
         click.echo("no live worker matches", err=True)
@@ -367,7 +437,7 @@ main.add_command(pool)
 
 
 def run() -> None:
-    """Entry point that turns OrtqError into a one-line message and exit status 2."""
+    """Entry point: every error becomes a one-line message and an exit status (see ``ortq --help``)."""
     try:
         main(standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -379,10 +449,8 @@ def run() -> None:
         sys.exit(130)
     except OrtqError as exc:
         click.echo(f"ortq: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(EXIT_CONFIGURATION)
-    except REDIS_DOWN as exc:  # unreachable: may pass, so status 1
-        click.echo(f"ortq: Redis unavailable: {exc}", err=True)
-        sys.exit(EXIT_CRASHED)
-    except redis.exceptions.NoPermissionError as exc:
-        click.echo(f"ortq: the Redis user lacks a permission: {exc} (see docs/security.md)", err=True)
-        sys.exit(EXIT_CONFIGURATION)
+        sys.exit(exit_status(exc))
+    except redis.RedisError as exc:  # from a client made without the PING check, or mid-command
+        message, status = describe_redis_error(exc)
+        click.echo(f"ortq: {message}", err=True)
+        sys.exit(status)

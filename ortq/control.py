@@ -15,13 +15,31 @@ from rq.command import send_shutdown_command
 
 from ortq import keys
 
+#: The most worker names read from ``ortq:workers`` (anyone with write access could fill it).
+MAX_WORKERS = 10_000
+
 
 def worker_records(connection: redis.Redis) -> list[tuple[str, dict[str, Any] | None]]:
-    """Every name in the workers set with its published record, or None where that expired
-    (a worker that died without unregistering)."""
-    names = sorted(keys.as_text(n) for n in connection.smembers(keys.WORKERS_SET))
-    records = connection.mget([keys.worker_key(n) for n in names]) if names else []
-    return [(name, None if raw is None else json.loads(raw)) for name, raw in zip(names, records, strict=True)]
+    """Every name in the workers set with its published record, or None where that expired (a
+    worker that died without unregistering) or cannot be read (a live worker rewrites its record
+    at its next heartbeat). Records are hostile input: a set or record of the wrong type or
+    content is skipped, never an error."""
+    if keys.as_text(connection.type(keys.WORKERS_SET)) != "set":
+        return []
+    raw_names = connection.srandmember(keys.WORKERS_SET, MAX_WORKERS) or []
+    names = sorted({n.decode(errors="replace") for n in raw_names if isinstance(n, bytes) and len(n) <= 256})
+    records = connection.mget([keys.worker_key(n) for n in names]) if names else []  # nil for wrong types
+    return [(name, _record(raw)) for name, raw in zip(names, records, strict=True)]
+
+
+def _record(raw: object) -> dict[str, Any] | None:
+    if not isinstance(raw, bytes) or len(raw) > 1 << 20:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def live_workers(connection: redis.Redis) -> list[dict[str, Any]]:

@@ -16,6 +16,12 @@ class ConfigurationError(OrtqError):
     """A setting, CLI flag or environment variable has a value ortq cannot use."""
 
 
+class UnknownModel(ConfigurationError):
+    """No worker has published a signature for the model a job was submitted to (a mistyped name,
+    or no worker started yet): nothing was enqueued. The message lists the models that have workers.
+    A producer made with ``allow_unknown_models=True`` enqueues anyway, for workers that start later."""
+
+
 class WireFormatError(OrtqError):
     """Bytes that are not a valid ortq frame: garbage, truncated, wrong version or inconsistent header."""
 
@@ -49,6 +55,17 @@ class InferenceFailed(OrtqError):
 class BrokerUnavailable(OrtqError):
     """Redis could not be reached (refused, reset or timed out). For a submit it is unknown whether the
     jobs were enqueued when the connection dropped during the write; waits give up at their timeout."""
+
+
+class CorruptRecord(OrtqError):
+    """A Redis key ortq reads or writes holds something ortq did not write there (a value of the
+    wrong type, written by someone else with access to the same Redis); the message names it."""
+
+
+class ResponseMismatch(OrtqError):
+    """A response does not answer this producer's request: it does not carry the random nonce the
+    request did. Someone with write access to Redis replaced the request frame or forged the reply;
+    the outputs are not returned."""
 
 
 class ResultTimeout(OrtqError):
@@ -112,7 +129,25 @@ class DeviceLost(OrtqError):
 
 #: Exit status of ``ortq worker`` after :class:`DeviceLost` (EX_TEMPFAIL: restart me, now).
 EXIT_DEVICE_LOST = 75
-#: Exit status of ``ortq`` for an OrtqError at start (bad configuration, provider unavailable, ...).
+#: Exit status of ``ortq`` for a configuration or usage error: a bad flag, URL, file or input, a refused
+#: login or permission, a server that is not Redis, a worker that cannot start (provider unavailable,
+#: ...). Running the same command again will not help.
 EXIT_CONFIGURATION = 2
 #: Exit status of ``ortq worker`` when an unexpected error ended its work loop (restart it, with backoff).
 EXIT_CRASHED = 1
+#: Exit status of the other commands when Redis could not be reached or a wait ran out
+#: (BrokerUnavailable, ResultTimeout, QueueFull): it may pass, so the same command may work later.
+EXIT_UNAVAILABLE = 1
+#: Exit status of ``ortq infer`` when a worker ran the job and it failed (InferenceFailed), or, with
+#: ``--input-dir``, when any file failed.
+EXIT_JOB_FAILED = 3
+
+
+def exit_status(exc: OrtqError) -> int:
+    """The exit status of an ``ortq`` command that ``exc`` ended (the table in ``ortq --help`` and
+    docs/operations.md): 1 for what may pass, 3 for a job the worker failed, else 2."""
+    if isinstance(exc, BrokerUnavailable | ResultTimeout | QueueFull):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, InferenceFailed):
+        return EXIT_JOB_FAILED
+    return EXIT_CONFIGURATION

@@ -7,70 +7,105 @@ would, for the workers' records).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from ortq import keys, tables
 from ortq.control import worker_records
+from ortq.errors import ConfigurationError, WireFormatError
+from ortq.rqcompat import layout
 from ortq.signature import ModelSignature
 
 
-def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any]]:
-    models: dict[str, dict[str, Any]] = {}
+def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any] | None]:
+    """Every published signature by model; None for one that cannot be read (shown as such)."""
+    models: dict[str, dict[str, Any] | None] = {}
     prefix = keys.signature_key("")
-    for raw_key in connection.scan_iter(match=prefix + "*", count=500):
-        key = keys.as_text(raw_key)
-        raw = connection.get(key)
-        if raw is None:
-            continue
-        models[key[len(prefix) :]] = ModelSignature.loads(raw).to_json()
+    names = [keys.as_text(k)[len(prefix) :] for k in connection.scan_iter(match=prefix + "*", count=500)]
+    names = [n for n in names if _is_model(n)]
+    raws = connection.mget([keys.signature_key(n) for n in names]) if names else []  # nil for wrong types
+    for name, raw in zip(names, raws, strict=True):
+        try:
+            models[name] = None if raw is None else ModelSignature.loads(raw).to_json()
+        except WireFormatError:
+            models[name] = None
     return models
 
 
+def _is_model(name: str) -> bool:
+    try:
+        keys.check_model_name(name)
+    except ConfigurationError:
+        return False
+    return True
+
+
 def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
-    live = []
-    for name, record in worker_records(connection):
+    records = worker_records(connection)
+    for name, record in records:
         if record is None:  # the worker died without cleaning up; its record expired
             # A read-only (monitor) user may not prune; the name is skipped all the same.
             with contextlib.suppress(redis.exceptions.NoPermissionError):
                 connection.srem(keys.WORKERS_SET, name)
-            continue
-        # RQ's own worker hash holds the live state and counters.
-        stats = connection.hmget(
-            "rq:worker:" + name, ["state", "successful_job_count", "failed_job_count", "current_job"]
-        )
-        record["state"], ok, failed, current = (None if v is None else keys.as_text(v) for v in stats)
-        record["successful_jobs"] = int(ok or 0)
-        record["failed_jobs"] = int(failed or 0)
-        record["current_job"] = current
-        live.append(record)
+    live = [record for _, record in records if record is not None and isinstance(record.get("model"), str)]
+    # RQ's own worker hash holds the live state and counters (and RQ 3 its running executions).
+    with connection.pipeline(transaction=False) as pipe:
+        for record in live:
+            pipe.hmget(
+                layout.worker_key(str(record.get("name"))), ["state", "successful_job_count", "failed_job_count"]
+            )
+            pipe.srandmember(layout.worker_executions_key(str(record.get("name"))), 1)
+            pipe.hget(layout.worker_key(str(record.get("name"))), "current_job")
+        replies = pipe.execute(raise_on_error=False)
+    for i, record in enumerate(live):
+        stats, executions, current = replies[3 * i : 3 * i + 3]
+        state, ok, failed = stats if isinstance(stats, list) else (None, None, None)
+        record["state"] = _text(state)
+        record["successful_jobs"] = _count(ok)
+        record["failed_jobs"] = _count(failed)
+        execution = _text(executions[0]) if isinstance(executions, list) and executions else None
+        record["current_job"] = execution.rpartition(":")[0] if execution else _text(current)
     return live
 
 
+def _text(raw: object) -> str | None:
+    return raw.decode(errors="replace")[:200] if isinstance(raw, bytes) else None
+
+
+def _count(raw: object) -> int:
+    try:
+        return max(0, int(float(raw))) if isinstance(raw, bytes) else 0
+    except (ValueError, OverflowError):
+        return 0
+
+
 def collect(connection: redis.Redis) -> dict[str, Any]:
-    """Everything ``ortq info`` prints, as one JSON-able dict."""
+    """Everything ``ortq info`` prints, as one JSON-able dict. Redis is read as hostile input: a
+    record of the wrong type or content shows as missing or zero, never as an error."""
     signatures = _models_with_signatures(connection)
     workers = _workers(connection)
     names = set(signatures) | {w["model"] for w in workers}
-    for raw_queue in connection.smembers(keys.RQ_QUEUES_SET):
-        queue_key = keys.as_text(raw_queue)
-        model = keys.model_from_queue_name(queue_key.removeprefix("rq:queue:"))
-        if model:
-            names.add(model)
+    queue_prefix = layout.QueueKeys.of("").queue
+    if connection.type(keys.RQ_QUEUES_SET) in (b"set", "set"):
+        for raw_queue in connection.srandmember(keys.RQ_QUEUES_SET, 10_000) or []:
+            model = keys.model_from_queue_name(keys.as_text(cast(bytes, raw_queue)).removeprefix(queue_prefix))
+            if model and _is_model(model):
+                names.add(model)
     models = []
     for name in sorted(names):
-        queue = keys.queue_name(name)
+        queue = layout.QueueKeys.of(keys.queue_name(name))
         with connection.pipeline(transaction=False) as pipe:
-            pipe.llen(keys.queue_key(name))
-            pipe.zcard("rq:wip:" + queue)
-            pipe.zcard("rq:failed:" + queue)
-            pipe.zcard("rq:finished:" + queue)
-            queued, started, failed, finished = pipe.execute()
+            pipe.llen(queue.queue)
+            pipe.zcard(queue.started)
+            pipe.zcard(queue.failed)
+            pipe.zcard(queue.finished)
+            counts = [c if isinstance(c, int) else 0 for c in pipe.execute(raise_on_error=False)]
+        queued, started, failed, finished = counts
         models.append(
             {
                 "model": name,
-                "queue": queue,
+                "queue": queue.name,
                 "queued": queued,
                 "started": started,
                 "failed": failed,
@@ -87,11 +122,17 @@ def _shape(spec: dict[str, Any]) -> str:
 
 
 def _adapter(worker: dict[str, Any]) -> str:
+    """The ADAPTER column: ``cpu`` for a session on the CPU (a fallback's included: the GPU it asked
+    for is not what runs it), else the adapter's index and name, or ``auto`` where ONNX Runtime chose."""
+    if worker.get("provider") == "CPUExecutionProvider":
+        return "cpu"
     adapter = worker.get("adapter") or {}
     name = adapter.get("name") or adapter.get("spec")
     if name is None:
-        return "" if worker["device_id"] is None else f"#{worker['device_id']}"
-    return f"#{adapter.get('index', worker['device_id'])} {name}"
+        if worker.get("device_id") is not None:
+            return f"#{worker['device_id']}"
+        return "auto" if worker.get("requested_provider") == "auto" else ""
+    return f"#{adapter.get('index', worker.get('device_id'))} {name}"
 
 
 def format_info(info: dict[str, Any]) -> str:

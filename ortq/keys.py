@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from ortq.errors import ConfigurationError
+from ortq.rqcompat import layout
 
 PREFIX = "ortq:"
 
@@ -18,7 +19,7 @@ PREFIX = "ortq:"
 JOB_FUNC = "ortq.rqjob.infer"
 
 #: RQ's set of known queue keys (RQ writes and reads it; ortq producers add to it).
-RQ_QUEUES_SET = "rq:queues"
+RQ_QUEUES_SET = layout.queues_key()
 
 #: Set of worker names that published a record (members whose record expired are pruned on read).
 WORKERS_SET = PREFIX + "workers"
@@ -47,12 +48,12 @@ def queue_name(model: str) -> str:
 
 def queue_key(model: str) -> str:
     """The Redis list behind :func:`queue_name` (RQ's ``rq:queue:<name>``)."""
-    return "rq:queue:" + queue_name(model)
+    return layout.QueueKeys.of(queue_name(model)).queue
 
 
 def job_key(job_id: str) -> str:
     """RQ's job hash."""
-    return "rq:job:" + job_id
+    return layout.job_key(job_id)
 
 
 def request_key(job_id: str) -> str:
@@ -61,7 +62,8 @@ def request_key(job_id: str) -> str:
 
 
 def reply_key(job_id: str) -> str:
-    """List holding the job's one response frame; the producer blocks on it."""
+    """Stream holding the job's one response frame (field ``frame``), written by workers only;
+    producers wait on it with XREAD, which writes nothing."""
     return PREFIX + "reply:" + job_id
 
 

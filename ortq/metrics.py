@@ -6,9 +6,14 @@ series carries the labels ``model``, ``adapter``, ``provider`` and ``worker``; t
 endpoints are fixed in the interface notes (and docs) and the Grafana dashboard in
 deploy/grafana/ queries exactly :data:`METRIC_NAMES`.
 
-:meth:`WorkerMetrics.serve` starts a threaded WSGI server in a daemon thread answering
-``GET /metrics`` (prometheus_client's own WSGI app and text exposition), ``GET /ready``
-(200 once the worker serves its queue, 503 otherwise) and ``GET /live`` (200).
+The HTTP side is :class:`MetricsServer`, a threaded WSGI server in a daemon thread answering
+``GET /metrics`` (prometheus_client's own WSGI app and text exposition), ``GET /ready`` (200
+while the worker serves its queue, 503 otherwise) and ``GET /live`` (200). A worker opens it at
+start-up, before its model loads (:func:`open_metrics_port`: /ready 503, /metrics only
+``ortq_worker_ready 0``), hands it its :class:`WorkerMetrics` once it knows its adapter and
+provider (:meth:`MetricsServer.attach`), flips readiness with :meth:`WorkerMetrics.set_ready`
+(true once it serves, false as soon as it is asked to stop) and closes it at exit.
+:meth:`WorkerMetrics.serve` does the first two steps at once.
 """
 
 from __future__ import annotations
@@ -164,54 +169,80 @@ class WorkerMetrics:
 
     # ----------------------------------------------------------- HTTP
 
-    def wsgi_app(self) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
-        """The WSGI application behind :meth:`serve`: /metrics, /ready, /live."""
-        metrics_app = make_wsgi_app(self.registry)
-
-        def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-            path = environ.get("PATH_INFO", "")
-            if path == "/metrics":
-                body: Iterable[bytes] = metrics_app(environ, start_response)
-                return body
-            if path == "/live":
-                return _text(start_response, "200 OK", "live")
-            if path == "/ready":
-                if self._ready:
-                    return _text(start_response, "200 OK", "ready")
-                return _text(start_response, "503 Service Unavailable", "not ready")
-            return _text(start_response, "404 Not Found", "not found; try /metrics, /ready or /live")
-
-        return app
-
     def serve(self, host: str, port: int) -> MetricsServer:
-        """Serve :meth:`wsgi_app` on ``host:port`` from a daemon thread (``port`` 0: any free
-        one, see :attr:`MetricsServer.port`). A port in use or a host that cannot be bound
-        raises ConfigurationError."""
-        if not 0 <= port <= 65535:
-            raise ConfigurationError(f"metrics port must be 0-65535, got {port}")
-        try:
-            # IPv4 or IPv6, whichever the host is (wsgiref's server is IPv4 only by default).
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        """:func:`open_metrics_port` with these metrics attached at once."""
+        server = open_metrics_port(host, port, model=self.labels["model"], worker=self.labels["worker"])
+        server.attach(self)
+        return server
 
-            class Server(_ThreadingWSGIServer):
-                address_family = family
 
-            httpd = make_server(host, port, self.wsgi_app(), Server, handler_class=_QuietHandler)
-        except OSError as exc:
-            hint = (
-                "another process (a second worker?) already uses this --metrics-port"
-                if exc.errno == errno.EADDRINUSE
-                else "is --metrics-host an address of this machine?"
-            )
-            raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; {hint}") from exc
-        return MetricsServer(httpd)
+def open_metrics_port(host: str, port: int, *, model: str = "", worker: str = "") -> MetricsServer:
+    """Serve /live, /ready and /metrics on ``host:port`` from a daemon thread, before the worker's
+    metrics exist (``port`` 0: any free one, see :attr:`MetricsServer.port`). Until
+    :meth:`MetricsServer.attach`, /ready answers 503 and /metrics holds only ``ortq_worker_ready``
+    0, labelled with ``model`` and ``worker`` (adapter and provider are not known yet: empty).
+
+    A port in use or a host that cannot be bound raises ConfigurationError, so a worker that opens
+    the port first fails at once, not after loading its model."""
+    if not 0 <= port <= 65535:
+        raise ConfigurationError(f"metrics port must be 0-65535, got {port}")
+    starting = CollectorRegistry()
+    Gauge(WORKER_READY, "1 while the worker serves its queue, else 0.", LABELS, registry=starting).labels(
+        model=model, adapter="", provider="", worker=worker
+    ).set(0)
+    endpoints = _Endpoints(starting)
+    try:
+        # IPv4 or IPv6, whichever the host is (wsgiref's server is IPv4 only by default).
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+        class Server(_ThreadingWSGIServer):
+            address_family = family
+
+        httpd = make_server(host, port, endpoints, Server, handler_class=_QuietHandler)
+    except OSError as exc:
+        hint = (
+            "another process (a second worker?) already uses this --metrics-port"
+            if exc.errno == errno.EADDRINUSE
+            else "is --metrics-host an address of this machine?"
+        )
+        raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; {hint}") from exc
+    return MetricsServer(httpd, endpoints)
+
+
+class _Endpoints:
+    """The WSGI application: /metrics from the attached registry (the start-up one before that),
+    /ready from the attached metrics' readiness, /live always. Attaching swaps one reference, which
+    the server's threads read per request."""
+
+    def __init__(self, starting: CollectorRegistry) -> None:
+        self.metrics: WorkerMetrics | None = None
+        self._exposition = make_wsgi_app(starting)
+
+    def attach(self, metrics: WorkerMetrics) -> None:
+        self._exposition = make_wsgi_app(metrics.registry)
+        self.metrics = metrics
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            body: Iterable[bytes] = self._exposition(environ, start_response)
+            return body
+        if path == "/live":
+            return _text(start_response, "200 OK", "live")
+        if path == "/ready":
+            if self.metrics is not None and self.metrics.ready:
+                return _text(start_response, "200 OK", "ready")
+            return _text(start_response, "503 Service Unavailable", "not ready")
+        return _text(start_response, "404 Not Found", "not found; try /metrics, /ready or /live")
 
 
 class MetricsServer:
-    """The running server of :meth:`WorkerMetrics.serve`; ``close()`` stops it and frees the port."""
+    """The running server of :func:`open_metrics_port`; ``attach()`` gives it the worker's metrics,
+    ``close()`` stops it and frees the port."""
 
-    def __init__(self, httpd: WSGIServer) -> None:
+    def __init__(self, httpd: WSGIServer, endpoints: _Endpoints) -> None:
         self._httpd = httpd
+        self._endpoints = endpoints
         self.host: str = str(httpd.server_address[0])
         self.port: int = int(httpd.server_address[1])
         # serve_forever looks for close()'s shutdown request every poll interval (0.5 s by default).
@@ -224,6 +255,11 @@ class MetricsServer:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def attach(self, metrics: WorkerMetrics) -> None:
+        """Serve ``metrics`` from now on: its series on /metrics, its readiness
+        (:meth:`WorkerMetrics.set_ready`) on /ready."""
+        self._endpoints.attach(metrics)
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -9,10 +9,12 @@ job (dequeue, registry cleanup, failure handling).
 
 from __future__ import annotations
 
+import json
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from rq.job import Job
@@ -49,8 +51,8 @@ def _reason(func_name: object, instance: object, callbacks: Mapping[str, object]
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What the worker's success path needs of an RQ job hash, read without building an RQ
-    ``Job`` (whose constructor and ``restore`` cost more than running a small model)."""
+    """What the worker needs of an RQ job hash, read without building an RQ ``Job`` (whose
+    constructor and ``restore`` cost more than running a small model, and which trust the hash)."""
 
     job_id: str
     enqueued_at: datetime | None
@@ -58,6 +60,9 @@ class JobRecord:
     failure_ttl: int | None
     timeout: int | None  # RQ's job timeout: seconds a run may take
     ttl: int | None  # seconds the job may wait in the queue
+    #: RQ's retry fields: attempts left, and the waits before them (RQ's ``retry_intervals``).
+    retries_left: int
+    retry_intervals: tuple[int, ...]
     #: Why the job must not run (the same checks as OrtqJob.forbidden_reason), or None.
     forbidden: str | None
 
@@ -70,8 +75,33 @@ class JobRecord:
             failure_ttl=_int(job_hash.get(b"failure_ttl")),
             timeout=_int(job_hash.get(b"timeout")),
             ttl=_int(job_hash.get(b"ttl")),
+            retries_left=max(0, min(_int(job_hash.get(b"retries_left")) or 0, MAX_RETRIES)),
+            retry_intervals=_intervals(job_hash.get(b"retry_intervals")),
             forbidden=_forbidden(job_hash),
         )
+
+    def retry_interval(self) -> int:
+        """Seconds before the next attempt, as RQ's ``Job.get_retry_interval`` picks it."""
+        if not self.retries_left or not self.retry_intervals:
+            return 0
+        return self.retry_intervals[max(len(self.retry_intervals) - self.retries_left, 0)]
+
+
+#: The most retries a job may ask for (RQ has no bound; a forged 10**9 would keep a bad job forever).
+MAX_RETRIES = 100
+
+
+def _intervals(raw: bytes | None) -> tuple[int, ...]:
+    """RQ's ``retry_intervals`` (a JSON list of seconds), or () when absent or not such a list."""
+    if not raw or len(raw) > 4096:
+        return ()
+    try:
+        values = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ()
+    if not isinstance(values, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return ()
+    return tuple(max(0, min(int(v), MAX_SECONDS)) for v in values[:MAX_RETRIES] if math.isfinite(v))
 
 
 def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
@@ -84,11 +114,13 @@ def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
 
 
 def parse_rq_time(raw: bytes | str | None) -> datetime | None:
-    """A timestamp RQ wrote (``utcformat``), or None; much cheaper than RQ's own strptime."""
+    """A timestamp RQ wrote (``utcformat``), or None; much cheaper than RQ's own strptime. One
+    without an offset is UTC, as RQ's are (not the worker host's local time)."""
     try:
-        return datetime.fromisoformat(as_text(raw)) if raw else None  # trailing Z: Python >= 3.11
+        moment = datetime.fromisoformat(as_text(raw)) if raw else None  # trailing Z: Python >= 3.11
     except ValueError:
         return None
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
 
 
 #: The longest time (s) a job's own ttl, timeout or result ttl is taken at: a forged 1e20 must not
@@ -101,11 +133,15 @@ MAX_DATA_BYTES = 64 * 1024
 
 
 def _int(raw: bytes | None) -> int | None:
+    """A whole number of seconds (a fraction rounds up), capped at a year either way; None when
+    absent or not a finite number."""
     try:
-        value = int(raw) if raw else None
+        value = float(raw) if raw else None
     except ValueError:
         return None
-    return None if value is None else max(-MAX_SECONDS, min(value, MAX_SECONDS))
+    if value is None or not math.isfinite(value):
+        return None
+    return max(-MAX_SECONDS, min(math.ceil(value), MAX_SECONDS))
 
 
 def job_data(job_hash: Mapping[bytes, bytes]) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import ssl
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,10 +17,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 
-from ortq.errors import ConfigurationError
+from ortq.errors import EXIT_CONFIGURATION, EXIT_UNAVAILABLE, ConfigurationError
 from ortq.wire import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_SCHEMES = ("redis", "rediss", "unix")
 
 #: What redis-py raises when Redis cannot be reached (refused, reset, timed out), which every
 #: ortq loop that rides out an outage catches. A refused login (AuthenticationError) is one too.
@@ -34,11 +36,57 @@ _TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path
 
 
 def redacted_url(redis_url: str) -> str:
-    """``redis_url`` without its password and query, for messages and logs."""
+    """``redis_url`` without its password and query, for messages and logs. Never raises, even for
+    text that is no URL (shown as its host:port part alone)."""
+    if "://" not in redis_url:
+        return redis_url.partition("?")[0].rpartition("@")[2]
     parts = urlsplit(redis_url)
     user = f"{unquote(parts.username)}@" if parts.username else ""
-    where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
-    return f"{parts.scheme}://{user}{where}"
+    if parts.scheme == "unix":
+        return f"unix://{user}{parts.path}"
+    try:
+        port = parts.port or 6379
+    except ValueError:  # not a number, or out of range: shown as written
+        return f"{parts.scheme}://{user}{parts.netloc.rpartition('@')[2]}{parts.path}"
+    host = parts.hostname or "localhost"  # redis-py's default host
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{user}{host}:{port}{parts.path}"
+
+
+def _suggested_url(text: str) -> str:
+    """What a redis_url written without a scheme most likely meant (password left out)."""
+    if text.startswith("/"):
+        return f"unix://{text.partition('?')[0]}"
+    for scheme in _SCHEMES:  # "redis:/host", "redis//host": a mangled separator ("redis:6379" is a host)
+        if text.startswith((f"{scheme}:/", f"{scheme}/")):
+            text = text[len(scheme) :].lstrip(":/")
+            break
+    url = redacted_url(f"redis://{text}")
+    if urlsplit(f"redis://{text}").password:
+        url = url.replace("@", ":PASSWORD@", 1)
+    return url if urlsplit(url).path.strip("/") else url.rstrip("/") + "/0"
+
+
+def check_redis_url(redis_url: str) -> None:
+    """Refuse a redis_url that redis-py would reject with a traceback, or worse read differently
+    from what was meant (it ignores a path that is no database number and uses db 0)."""
+    if "://" not in redis_url:
+        raise ConfigurationError(
+            f"redis_url {redacted_url(redis_url)!r} has no scheme; did you mean {_suggested_url(redis_url)}? "
+            "(redis://HOST:PORT/DB, rediss:// for TLS, unix:///PATH for a socket)"
+        )
+    shown = redacted_url(redis_url)
+    parts = urlsplit(redis_url)
+    if parts.scheme not in _SCHEMES:
+        raise ConfigurationError(f"redis_url must start with redis://, rediss:// or unix://, got {shown!r}")
+    try:
+        redis.ConnectionPool.from_url(redis_url)  # redis-py's own reading of the URL; connects to nothing
+    except ValueError as exc:
+        raise ConfigurationError(f"redis_url {shown!r}: {exc}") from None
+    if parts.scheme != "unix" and not re.fullmatch(r"/?(\d+/?)?", unquote(parts.path)):
+        raise ConfigurationError(
+            f"redis_url {shown!r}: after HOST:PORT comes the database number (/0), not {parts.path!r}"
+        )
 
 
 def _check_tls_options(redis_url: str) -> None:
@@ -80,10 +128,7 @@ class Settings:
     max_queue_length: int = 0
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigurationError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(self.redis_url)!r}"
-            )
+        check_redis_url(self.redis_url)
         _check_tls_options(self.redis_url)
         if self.socket_timeout < 2:
             raise ConfigurationError(f"socket_timeout must be at least 2 seconds, got {self.socket_timeout}")
@@ -131,17 +176,33 @@ class Settings:
         status 2), rather than as a traceback from deep inside the first command. An unreachable
         server still raises redis.ConnectionError: that one may pass, and a restart may help.
         """
-        client: redis.Redis = redis.Redis.from_url(
-            self.redis_url,
-            socket_timeout=self.socket_timeout,
-            socket_connect_timeout=self.socket_timeout,
-            health_check_interval=30,
-            # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
-            socket_read_size=1 << 20,
-        )
+        try:
+            client: redis.Redis = redis.Redis.from_url(
+                self.redis_url,
+                socket_timeout=self.socket_timeout,
+                socket_connect_timeout=self.socket_timeout,
+                health_check_interval=30,
+                # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
+                socket_read_size=1 << 20,
+            )
+        except ValueError as exc:  # a query option redis-py cannot read (check_redis_url passed the rest)
+            raise ConfigurationError(f"redis_url {redacted_url(self.redis_url)!r}: {exc}") from None
         if check:
             _ping(client, redacted_url(self.redis_url))
         return client
+
+
+def _not_redis_hint(message: str) -> str:
+    """What kind of server answered, from the first byte of a non-RESP answer as redis-py quotes it
+    (hiredis: ``Protocol error, got "<" as reply type byte``; its Python parser:
+    ``Protocol Error: b'<!DOCTYPE...'``)."""
+    found = re.search(r'got "(.+?)"|Protocol Error: b[\'"](\\x[0-9a-f]{2}|.)', message)
+    first = (found.group(1) or found.group(2)) if found else ""
+    if first in ("<", "H"):
+        return " (an HTTP server, by its answer)"
+    if first in ("\\x15", "\\x16"):  # a TLS alert or handshake record
+        return " (a TLS server, by its answer: use rediss:// for a TLS port)"
+    return ""
 
 
 def _ping(client: redis.Redis, where: str) -> None:
@@ -158,9 +219,24 @@ def _ping(client: redis.Redis, where: str) -> None:
         client.close()
         # PING, or SELECT for a db other than 0: the ACL rules of docs/security.md grant both.
         raise ConfigurationError(f"the Redis user of {where} lacks a permission: {exc} (see docs/security.md)") from exc
+    except redis.exceptions.InvalidResponse as exc:
+        # Something answered, but not in Redis's protocol (RESP): the wrong port, most likely.
+        client.close()
+        said = str(exc) if len(str(exc)) <= 80 else str(exc)[:77] + "..."
+        raise ConfigurationError(
+            f"the server at {where} is not Redis{_not_redis_hint(str(exc))}: it answered PING with "
+            f"{said!r}. Check the host and port in redis_url (Redis listens on 6379 unless told otherwise)"
+        ) from exc
+    except redis.exceptions.ResponseError as exc:  # e.g. SELECT of a database the server does not have
+        client.close()
+        raise ConfigurationError(f"Redis at {where} refused the connection: {exc}") from exc
     except redis.ConnectionError as exc:
         cause = exc.__context__
         if not isinstance(cause, ssl.SSLError):
+            # Connected, then dropped at the first read: what a Redis TLS port does to a plain client.
+            dropped = str(exc).startswith(("Connection closed by server", "Error while reading from"))
+            if dropped and where.startswith("redis://"):
+                raise redis.ConnectionError(f"{exc} (if that port serves TLS, use rediss://)") from exc
             raise
         client.close()
         why = cause.verify_message if isinstance(cause, ssl.SSLCertVerificationError) else cause.reason or str(cause)
@@ -168,3 +244,19 @@ def _ping(client: redis.Redis, where: str) -> None:
             f"TLS with Redis at {where} failed: {why} (check ssl_ca_certs: the CA that signed the server's "
             "certificate; and ssl_certfile/ssl_keyfile if the server asks for a client certificate)"
         ) from exc
+
+
+def describe_redis_error(exc: redis.RedisError) -> tuple[str, int]:
+    """A one-line message and the ``ortq`` exit status for a redis-py error that no ortq layer turned
+    into an OrtqError (a client made without the PING check, a refusal in the middle of a command)."""
+    if isinstance(exc, redis.AuthenticationError):
+        return f"Redis refused the login: {exc} (check the user and password in the URL)", EXIT_CONFIGURATION
+    if isinstance(exc, REDIS_DOWN):
+        return f"Redis unavailable: {exc}", EXIT_UNAVAILABLE
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"the Redis user lacks a permission: {exc} (see docs/security.md)", EXIT_CONFIGURATION
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return f"Redis refused a write: {exc} (a read-only replica? use the primary's URL)", EXIT_CONFIGURATION
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return f"the server is not Redis (check the host and port of the URL): {exc}", EXIT_CONFIGURATION
+    return f"Redis error: {type(exc).__name__}: {exc}", EXIT_UNAVAILABLE

@@ -72,6 +72,12 @@ class Request:
     inputs: dict[str, NDArray[Any]]
     options: dict[str, Any]
 
+    @property
+    def nonce(self) -> bytes | None:
+        """The producer's ``options.nonce``, which the worker echoes in its response."""
+        nonce = self.options.get("nonce")
+        return nonce if isinstance(nonce, bytes) else None
+
 
 @dataclass(frozen=True)
 class Response:
@@ -80,6 +86,8 @@ class Response:
     outputs: dict[str, NDArray[Any]]
     error: RemoteError | None
     timings: dict[str, float]
+    #: The request's nonce, echoed by the worker (None when the request had none or was unreadable).
+    nonce: bytes | None = None
 
     @property
     def ok(self) -> bool:
@@ -126,17 +134,31 @@ def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | No
     return _encode({"kind": "request", "inputs": inputs, "options": opts}, "inputs")
 
 
-def encode_response(outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None) -> bytes:
-    """A successful response frame carrying ``outputs`` and per-stage ``timings`` in seconds."""
-    return _encode({"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}, "outputs")
+def encode_response(
+    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, nonce: bytes | None = None
+) -> bytes:
+    """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
+    request's ``nonce``."""
+    body = {"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}
+    return _encode(_with_nonce(body, nonce), "outputs")
 
 
-def encode_error(error_type: str, message: str, timings: Mapping[str, float] | None = None) -> bytes:
+def encode_error(
+    error_type: str, message: str, timings: Mapping[str, float] | None = None, nonce: bytes | None = None
+) -> bytes:
     """A failed response frame; very long messages are cut so the frame always fits the header limit."""
     if len(message) > _MAX_ERROR_MESSAGE_CHARS:
         message = message[:_MAX_ERROR_MESSAGE_CHARS] + " [truncated]"
     error = {"type": error_type[:256], "message": message}
-    return _encode({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, None)
+    return _encode(
+        _with_nonce({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, nonce), None
+    )
+
+
+def _with_nonce(body: dict[str, Any], nonce: bytes | None) -> dict[str, Any]:
+    if nonce is not None:
+        body["nonce"] = nonce
+    return body
 
 
 def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Request:
@@ -145,6 +167,7 @@ def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DE
     options = header.get("options", {})
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise WireFormatError("header 'options' must be a map with string keys")
+    _check_nonce(options.get("nonce"), "options 'nonce'")
     return Request(inputs=_read_tensors(header, "inputs", data), options=options)
 
 
@@ -154,15 +177,28 @@ def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = D
     timings = header.get("timings", {})
     if not isinstance(timings, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timings.items()):
         raise WireFormatError("header 'timings' must be a map of string to number")
+    nonce = _check_nonce(header.get("nonce"), "'nonce'")
     ok = header.get("ok")
     if ok is True:
-        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings))
+        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings), nonce)
     if ok is not False:
         raise WireFormatError(f"header 'ok' must be true or false, got {_short(ok)}")
     error = header.get("error")
     if not isinstance(error, dict) or not all(isinstance(error.get(k), str) for k in ("type", "message")):
         raise WireFormatError("a failed response needs 'error': {'type': str, 'message': str}")
-    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings))
+    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings), nonce)
+
+
+#: Bounds of a nonce (a producer's random bytes, echoed by the worker).
+NONCE_BYTES = (8, 64)
+
+
+def _check_nonce(value: object, where: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or not NONCE_BYTES[0] <= len(value) <= NONCE_BYTES[1]:
+        _fail(f"header {where} must be {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes (msgpack bin), got {_short(value)}")
+    return value
 
 
 def _encode(body: dict[str, Any], tensor_key: str | None) -> bytes:

@@ -1,16 +1,51 @@
 #!/usr/bin/env bash
-# ortq's checks from a fresh checkout: lint, types, then the test suite (real Redis, real workers).
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k wire`.
+# ortq's checks from a fresh checkout, in two passes:
+#   1. in .venv (the RQ that ortq's dependency range resolves to, the newest series): lint, types,
+#      then the whole test suite (real Redis, real workers);
+#   2. in .venv-rq2 (RQ held to the 2.12 series, the oldest ortq supports): the tests marked
+#      `rqcompat`, i.e. the RQ contract tests (tests/rqcontract) and an end-to-end subset.
+# Extra arguments go to pytest in both passes, e.g. `bash scripts/test.sh -k wire` (a pass that
+# then selects no test at all is not a failure). ORTQ_TEST_PASS=main runs only pass 1,
+# ORTQ_TEST_PASS=rq2 only pass 2. The script exits non-zero if either pass failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
-ortq_venv "worker,dev"
-.venv/bin/ruff check ortq tests bench scripts
-.venv/bin/ruff format --check ortq tests bench scripts
-.venv/bin/mypy
-# The Windows layer (tests/windows: the real worker on Windows CPython with DirectML, under Wine)
-# needs root and apt; CI always builds it (and its tests then must run), elsewhere ORTQ_WINE=1 asks.
-if [ "${CI:-}" = "true" ] || [ "${ORTQ_WINE:-0}" = "1" ]; then
-    bash tests/windows/setup.sh
+test_pass="${ORTQ_TEST_PASS:-all}"
+case "$test_pass" in
+    all | main | rq2) ;;
+    *) echo "ORTQ_TEST_PASS must be all, main or rq2 (got '$test_pass')" >&2; exit 2 ;;
+esac
+status=0
+
+rq_version() { "$1/bin/python" -c 'import rq; print(rq.__version__)'; }
+
+if [ "$test_pass" != rq2 ]; then
+    # --upgrade rq: an existing .venv moves to the newest RQ that ortq's range allows, as a fresh one has.
+    ortq_venv "worker,dev" .venv --upgrade rq
+    echo "== pass 1: whole suite, RQ $(rq_version .venv), in .venv"
+    .venv/bin/ruff check ortq tests bench scripts
+    .venv/bin/ruff format --check ortq tests bench scripts
+    .venv/bin/mypy
+    # The Windows layer (tests/windows: the real worker on Windows CPython with DirectML, under Wine)
+    # needs root and apt; CI always builds it (and its tests then must run), elsewhere ORTQ_WINE=1 asks.
+    if [ "${CI:-}" = "true" ] || [ "${ORTQ_WINE:-0}" = "1" ]; then
+        bash tests/windows/setup.sh
+    fi
+    .venv/bin/python -m pytest "$@" || status=$?
+    # pytest's 5: nothing selected, which only the caller's own -k/-m/path arguments can cause.
+    if [ "$status" -eq 5 ] && [ $# -gt 0 ]; then status=0; fi
 fi
-exec .venv/bin/python -m pytest "$@"
+
+if [ "$test_pass" != main ]; then
+    ortq_venv "worker,dev" .venv-rq2 "rq==2.12.*"
+    echo "== pass 2: tests marked rqcompat, RQ $(rq_version .venv-rq2), in .venv-rq2"
+    if [ -x .venv/bin/python ] && [ "$(rq_version .venv | cut -d. -f1)" = "$(rq_version .venv-rq2 | cut -d. -f1)" ]; then
+        echo "warning: .venv has RQ $(rq_version .venv) too: only one RQ series is being tested" >&2
+    fi
+    rq2_status=0
+    # The cache stays apart from pass 1's, whose entries were written under another RQ.
+    .venv-rq2/bin/python -m pytest -m rqcompat -o cache_dir=.pytest_cache/rq2 "$@" || rq2_status=$?
+    if [ "$rq2_status" -eq 5 ] && [ $# -gt 0 ]; then rq2_status=0; fi
+    if [ "$rq2_status" -ne 0 ]; then status=$rq2_status; fi
+fi
+exit "$status"

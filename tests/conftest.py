@@ -97,11 +97,14 @@ class WorkerProcesses:
         self.processes.append((process, log_path))
         return process
 
-    def serve(self, model_path: Path, name: str, redis_url: str, count: int = 1, *extra: str) -> None:
-        """Start ``count`` workers and wait until they have all published their records."""
+    def serve(
+        self, model_path: Path, name: str, redis_url: str, count: int = 1, *extra: str, watch_url: str | None = None
+    ) -> None:
+        """Start ``count`` workers and wait until they have all published their records (read
+        through ``watch_url`` when the workers' own user may not read them, as under an ACL)."""
         for _ in range(count):
             self.start(model_path, name, redis_url, *extra)
-        with Producer(settings=Settings.from_url(redis_url)) as producer:
+        with Producer(settings=Settings.from_url(watch_url or redis_url)) as producer:
             deadline = time.monotonic() + 60
             while len(producer.workers(name)) < count:
                 for process, log_path in self.processes:

@@ -8,12 +8,16 @@ checks it with ``onnx.checker`` and returns the path. Needs ``onnx`` (a dev depe
 * :func:`conv_model` -- a 4-layer CNN on 224x224 RGB images; ~2.3-2.8 ms (p50) per single-image CPU run.
 * :func:`fixed_batch_model` -- ``y = 2x + 1`` with a fully fixed ``[1, 4]`` input.
 * :func:`multi_dtype_model` -- Identity pass-through of float16/int64/uint8/bool/float64 inputs.
-* :func:`slow_model` -- a Loop of 256x256 MatMuls; ``loops`` sets how long one run takes.
+* :func:`slow_model` -- a Loop of 256x256 MatMuls; ``loops`` sets how long one run takes
+  (:func:`timed_slow_model`: loops measured to last a given time on this machine).
 * :func:`gather_model` -- ``y = table[idx]``; an out-of-range index fails the run itself.
+* :func:`job_gather_model`, :func:`centered_model` -- ``x[idx]`` and ``x - mean(x, axis=0)``: models
+  whose rows are not independent, which batching must not join.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +220,46 @@ def gather_model(path: Path) -> Path:
         outputs=[y],
         initializers={"table": table},
     )
+
+
+def job_gather_model(path: Path) -> Path:
+    """``y = x[idx]``, both from the job: rows are NOT independent. Batched, one job's indices
+    would point at the rows of the jobs before it (docs/pool.md, "Batching")."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    idx = helper.make_tensor_value_info("idx", TensorProto.INT64, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    return _save(path, "job_gather", nodes=[helper.make_node("Gather", ["x", "idx"], ["y"], axis=0)], inputs=[x, idx],
+                 outputs=[y])  # fmt: skip
+
+
+def centered_model(path: Path) -> Path:
+    """``y = x - mean(x, axis=0)``: rows are NOT independent. Batched, each job's outputs would
+    depend on every job that shared its run (docs/pool.md, "Batching")."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["mean"], axes=[0], keepdims=1),
+        helper.make_node("Sub", ["x", "mean"], ["y"]),
+    ]
+    return _save(path, "centered", nodes=nodes, inputs=[x], outputs=[y])
+
+
+def timed_slow_model(path: Path, seconds: float) -> Path:
+    """:func:`slow_model` with as many loops as make one single-threaded CPU run last about
+    ``seconds`` on this machine (measured on a short model first), so that tests relying on a run
+    outlasting something hold on fast and slow machines alike; a loaded machine only lengthens it."""
+    import onnxruntime as ort  # the test side has it; model builders do not otherwise need it
+
+    probe = slow_model(path.with_name(path.stem + "-probe.onnx"), SLOW_MODEL_LOOPS // 4)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(probe), options, providers=["CPUExecutionProvider"])
+    x = {"x": np.ones((1, 256), np.float32)}
+    session.run(None, x)
+    took = []
+    for _ in range(2):
+        started = time.perf_counter()
+        session.run(None, x)
+        took.append(time.perf_counter() - started)
+    per_loop = min(took) / (SLOW_MODEL_LOOPS // 4)
+    return slow_model(path, max(1, round(seconds / per_loop)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortq.errors import AdapterNotFound, AmbiguousAdapter, CanaryMismatch, ConfigurationError
+from ortq.errors import AdapterNotFound, AmbiguousAdapter, CanaryMismatch, ConfigurationError, ProviderUnavailable
 from ortq.worker.adapters import Adapter, _nvml_adapters, select_adapter, visible_cuda_order
 from ortq.worker.serve import WorkerConfig, resolve_plan
 from ortq.worker.session import SessionPlan, compare_with_cpu, load_model, warmup_inputs
@@ -140,6 +140,9 @@ def test_resolution_when_nothing_can_be_enumerated(tiny_path: Path) -> None:
     plan, _ = resolve_plan(WorkerConfig(tiny_path, "m", provider="cuda", adapter="1"))
     assert plan.provider_options() == {"device_id": "1"}
     with pytest.raises(AdapterNotFound, match="cannot resolve --adapter 'name:radeon'"):
+        resolve_plan(WorkerConfig(tiny_path, "m", provider="cuda", adapter="name:radeon"))
+    # DirectML off Windows: a spec only DXGI could resolve says why it cannot, not "use an index".
+    with pytest.raises(ProviderUnavailable, match=r"DirectML .* is Windows-only"):
         resolve_plan(WorkerConfig(tiny_path, "m", provider="dml", adapter="name:radeon"))
     with pytest.raises(ConfigurationError, match="does not apply"):
         WorkerConfig(tiny_path, "m", provider="cpu", adapter="0")

@@ -72,13 +72,13 @@ def test_chaos_kills_and_a_redis_restart_lose_and_duplicate_nothing(
                 assert status == "finished", job.id
                 expected = session.run(None, {"x": x})[0]
                 np.testing.assert_allclose(response.outputs["y"], expected, rtol=1e-5, atol=1e-6)
-                # Answered once: one result in RQ's stream, one frame in the reply list.
+                # Answered once: one result in RQ's stream, one frame in the reply stream.
                 assert connection.xlen(f"rq:results:{job.id}") == 1, job.id
             else:
                 failed += 1
                 assert status == "failed", job.id
                 assert response.error.type and response.error.message
-            assert connection.llen(keys.reply_key(job.id)) == 1, job.id
+            assert connection.xlen(keys.reply_key(job.id)) == 1, job.id
             taken_back += connection.hget(keys.job_key(job.id), "ortq_recoveries") is not None
         assert finished + failed == JOBS
         assert connection.llen(keys.queue_key(model_name)) == 0

@@ -40,7 +40,9 @@ def test_infer_and_info(
     assert re.search(
         rf"^{name}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$", table.stdout, re.M
     )
-    assert re.search(rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+\S+\s+\d+\s+1\s+0$", table.stdout, re.M)
+    assert re.search(
+        rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+cpu\s+\S+\s+\d+\s+1\s+0$", table.stdout, re.M
+    )
 
     as_json = json.loads(ortq("info", "--json", "--redis-url", redis_url).stdout)
     [model] = [m for m in as_json["models"] if m["model"] == model_name]
@@ -75,7 +77,7 @@ def test_bulk_infer_over_a_folder(
     np.save(folder / "wrong.npy", np.zeros((1, 5), np.float32))
     (folder / "notes.txt").write_text("not an input")
     done = ortq("infer", model_name, "--input-dir", str(folder), "--output-dir", str(out), "--redis-url", redis_url)
-    assert done.returncode == 1, done.stderr  # one file failed
+    assert done.returncode == 3, done.stderr  # one file failed
     assert "8 file(s): 7 ok, 1 failed" in done.stdout
     assert re.search(r"failed wrong\.npy: InvalidInput: .*size 5 on axis 1", done.stdout)
     for stem, array in arrays.items():
@@ -83,6 +85,11 @@ def test_bulk_infer_over_a_folder(
     np.testing.assert_array_equal(np.load(out / "named.npz")["y"], arrays["img00"] * 2 + 1)
     assert not (out / "wrong.npz").exists()
     assert ortq("infer", model_name, "--redis-url", redis_url).returncode == 2  # neither --input nor --input-dir
+    # A model nobody serves is the whole run's error: said once, exit 2.
+    mistyped = ortq("infer", model_name + "z", "--input-dir", str(folder), "--output-dir", str(tmp_path / "none"),
+                    "--redis-url", redis_url)  # fmt: skip
+    assert mistyped.returncode == 2, mistyped.stdout + mistyped.stderr
+    assert mistyped.stderr.count("UnknownModel") == 1
 
 
 def test_stop_asks_the_chosen_workers_to_stop(

@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import redis
@@ -28,6 +25,7 @@ from rq_dashboard import web
 
 from ortq import keys
 from ortq.dashboard import rqdash
+from ortq.dashboard.app import create_app
 from ortq.errors import ConfigurationError, InferenceFailed
 from ortq.info import collect
 from ortq.localredis import LocalRedis
@@ -35,88 +33,24 @@ from ortq.producer import Producer
 from ortq.settings import Settings
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses, eventually
+from tests.dashboard_support import (
+    BAN,
+    Dashboard,
+    PageFields,
+    browse,
+    chromium,
+    forge_job,
+    need_chromium,
+    start_dashboard,
+)
 
-BAN = Path(__file__).parent / "pickle_ban"
 X = np.ones((1, 4), np.float32)
-
-
-class PageFields(HTMLParser):
-    """The text of every ``data-field`` element of the ortq page, keyed by
-    (model, worker name or failed job id or None, field)."""
-
-    def __init__(self, html: str) -> None:
-        super().__init__()
-        self.fields: dict[tuple[str | None, str | None, str], str] = {}
-        self._model: str | None = None
-        self._row: str | None = None
-        self._field: tuple[str | None, str | None, str] | None = None
-        self._depth = 0
-        self._text: list[str] = []
-        self.feed(html)
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if self._field is not None:
-            self._depth += 1
-            return
-        a = dict(attrs)
-        self._model = a.get("data-model") or self._model
-        self._row = a.get("data-worker") or a.get("data-job") or self._row
-        if a.get("data-field"):
-            self._field, self._depth, self._text = (self._model, self._row, str(a["data-field"])), 1, []
-
-    def handle_endtag(self, tag: str) -> None:
-        if self._field is None:
-            self._row = None if tag == "tr" else self._row
-            self._model = None if tag == "section" else self._model
-            return
-        self._depth -= 1
-        if self._depth == 0:
-            self.fields[self._field] = " ".join("".join(self._text).split())
-            self._field = None
-
-    def handle_data(self, data: str) -> None:
-        if self._field is not None:
-            self._text.append(data)
-
-
-@dataclass
-class Dashboard:
-    """A running ``ortq dashboard`` process and the file its pickle ban writes to when it fires."""
-
-    process: subprocess.Popen[str]
-    url: str
-    log: Path
-    trap: Path
-
-    def fetch(self, path: str, method: str = "GET") -> tuple[int, str]:
-        request = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None)
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                status, body = response.status, response.read().decode()
-        except urllib.error.HTTPError as exc:
-            status, body = exc.code, exc.read().decode(errors="replace")
-        self.check_no_pickle()
-        return status, body
-
-    def get(self, path: str) -> str:
-        status, body = self.fetch(path)
-        assert status == 200, f"GET {path}: {status}\n{body[:2000]}\n{self.log.read_text()[-4000:]}"
-        return body
-
-    def json(self, path: str, method: str = "GET") -> Any:
-        status, body = self.fetch(path, method)
-        assert status == 200, f"{method} {path}: {status}\n{body[:2000]}\n{self.log.read_text()[-4000:]}"
-        return json.loads(body)
-
-    def check_no_pickle(self) -> None:
-        assert not self.trap.exists(), f"the dashboard unpickled: {self.trap.read_text()}\n{self.log.read_text()}"
-        assert self.process.poll() is None, f"the dashboard exited:\n{self.log.read_text()}"
 
 
 @dataclass
 class Scene:
     """What the dashboard shows: ``tiny`` (one worker, 3 finished jobs, 1 failed, 1 forged
-    failed job) and ``waiting`` (2 jobs queued, no worker)."""
+    failed job), ``waiting`` (2 jobs queued, no worker) and ``idle`` (a queue, no job, no worker)."""
 
     dashboard: Dashboard
     connection: redis.Redis
@@ -124,24 +58,11 @@ class Scene:
     redis_url: str
     tiny: str
     waiting: str
+    idle: str
     finished: list[str]
     failed: str
     forged: str
     worker_name: str
-
-
-def start_dashboard(redis_url: str | None, log_dir: Path) -> Dashboard:
-    """``ortq dashboard --port 0`` with unpickling banned in it; returns once it listens."""
-    trap, log = log_dir / "dashboard-trap.log", log_dir / "dashboard.log"
-    env = dict(os.environ, PYTHONPATH=f"{BAN}{os.pathsep}{REPO}", ORTQ_PICKLE_TRAP=str(trap))
-    command = [sys.executable, "-m", "ortq", "dashboard", "--port", "0"]
-    command += ["--redis-url", redis_url] if redis_url else []
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO, env=env)
-    assert process.stdout is not None
-    line = process.stdout.readline()  # "ortq dashboard on http://127.0.0.1:PORT/ ..." once listening
-    assert line.startswith("ortq dashboard on http://"), f"{line!r}\n{log.read_text()}"
-    return Dashboard(process, line.split()[3], log, trap)
 
 
 def forge_failed_job(connection: redis.Redis, queue: str) -> str:
@@ -165,10 +86,10 @@ def forge_failed_job(connection: redis.Redis, queue: str) -> str:
 @pytest.fixture(scope="module")
 def scene(redis_server: LocalRedis, tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
     log_dir = tmp_path_factory.mktemp("dashboard")
-    tiny, waiting = f"dash-tiny-{os.getpid()}", f"dash-waiting-{os.getpid()}"
+    tiny, waiting, idle = (f"dash-{name}-{os.getpid()}" for name in ("tiny", "waiting", "idle"))
     group = WorkerProcesses(log_dir)
     dashboard = start_dashboard(redis_server.url, log_dir)
-    producer = Producer(settings=Settings.from_url(redis_server.url), validate=False)
+    producer = Producer(settings=Settings.from_url(redis_server.url), validate=False, allow_unknown_models=True)
     try:
         group.serve(tiny_path, tiny, redis_server.url)
         finished = producer.submit_many(tiny, [{"x": X}] * 3)
@@ -183,14 +104,14 @@ def scene(redis_server: LocalRedis, tiny_path: Path, tmp_path_factory: pytest.Te
         eventually(lambda: connection.zcard("rq:finished:" + keys.queue_name(tiny)) == 3)
         eventually(lambda: connection.zcard("rq:failed:" + keys.queue_name(tiny)) == 1)
         forged = forge_failed_job(connection, keys.queue_name(tiny))
+        connection.sadd(keys.RQ_QUEUES_SET, keys.queue_key(idle))  # a model once used: its queue, empty
         [worker] = producer.workers(tiny)
         yield Scene(
-            dashboard, connection, producer, redis_server.url, tiny, waiting, [j.id for j in finished], bad.id, forged,
-            worker["name"],
+            dashboard, connection, producer, redis_server.url, tiny, waiting, idle, [j.id for j in finished], bad.id,
+            forged, worker["name"],
         )  # fmt: skip
     finally:
-        dashboard.process.terminate()
-        dashboard.process.wait(15)
+        dashboard.stop()
         group.stop_all()
         producer.close()
 
@@ -211,7 +132,11 @@ def test_ortq_page_shows_models_workers_queues_and_failures(scene: Scene) -> Non
     assert fields[tiny, scene.forged, "reason"] == "(no reason recorded)"
     assert f'href="/rq/0/view/job/{scene.failed}"' in html
     assert fields[scene.waiting, None, "queued"] == "2"
-    assert fields[scene.waiting, None, "no_workers"].startswith("no workers")
+    # Only a queue with jobs and no worker is a problem (red); an idle model without workers is not.
+    assert fields[scene.waiting, None, "no_workers"] == "no workers: 2 jobs wait in the queue"
+    assert '<p class="bad" data-field="no_workers">no workers: 2 jobs' in html
+    assert fields[scene.idle, None, "no_workers"] == "no workers"
+    assert '<p class="muted" data-field="no_workers">no workers</p>' in html
     assert '<meta http-equiv="refresh"' in html
     # Offline-safe: nothing is loaded from another host.
     assert "http://" not in html.replace(scene.redis_url, "") and "https://" not in html and "//cdn" not in html
@@ -263,13 +188,24 @@ def test_busy_worker_requeue_and_delete(
         bad.result(timeout=30)
     eventually(lambda: scene.connection.zscore("rq:failed:" + queue, bad.id) is not None)
     forged = forge_failed_job(scene.connection, queue)
+    # ortq jobs are refused, saying why: their request tensors went with the failure, so a requeued
+    # copy could only fail again with RequestExpired. Nothing moves.
     for job_id in (bad.id, forged):
-        assert dash.json(f"/rq/job/{job_id}/requeue", "POST") == {"status": "OK"}
-    # The worker fails both again, saying why: the request tensors went with the first failure,
-    # and the forged job names nothing an ortq worker runs.
-    for job_id, reason in ((bad.id, "RequestExpired"), (forged, "UnknownJobFunction")):
-        # (B023: the lambda runs within this iteration.)
-        eventually(lambda: (dash.json(f"/rq/0/data/job/{job_id}.json")["exc_info"] or "").startswith(reason))  # noqa: B023
+        refused = dash.post(f"/rq/job/{job_id}/requeue")
+        assert refused.status == 409, refused
+        assert refused.json()["status"] == "REFUSED"
+        assert "RequestExpired" in refused.json()["message"] and "Submit it again" in refused.json()["message"]
+    refused = dash.post(f"/rq/requeue/{queue}")
+    assert refused.status == 409 and "nothing was requeued" in refused.json()["message"]
+    assert scene.connection.zcard("rq:failed:" + queue) == 2 and scene.connection.llen(keys.queue_key(model_name)) == 0
+    # A job of another RQ application's queue is requeued as RQ does; one naming ortq's function is not.
+    other = f"other-{model_name}"
+    plain = forge_job(scene.connection, other, data=msgpack.packb(["app.tasks.resize", None, [], {}]))
+    ortq_function = forge_job(scene.connection, other)
+    assert dash.json(f"/rq/requeue/{other}", "POST") == {"status": "OK", "count": 1, "skipped": 1}
+    assert scene.connection.lrange("rq:queue:" + other, 0, -1) == [plain.encode()]
+    assert dash.post(f"/rq/job/{ortq_function}/requeue").status == 409
+    for job_id in (bad.id, forged, plain, ortq_function):
         assert dash.json(f"/rq/job/{job_id}/delete", "POST") == {"status": "OK"}
         assert not scene.connection.exists(keys.job_key(job_id))
     # A busy worker: rq-dashboard reads its current job (RQ decodes that job's data to describe it).
@@ -299,22 +235,8 @@ def test_busy_worker_requeue_and_delete(
     eventually(page_shows_busy, timeout=30)
 
 
-def chromium(*args: str, user_data_dir: Path) -> str:
-    """Run headless Chromium once; returns its stdout (the DOM with --dump-dom)."""
-    binary = shutil.which("chromium")
-    assert binary is not None
-    command = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               f"--user-data-dir={user_data_dir}", "--window-size=1280,900", *args]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 def test_chromium_renders_the_pages(scene: Scene, tmp_path: Path) -> None:
-    if shutil.which("chromium") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is missing on CI: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium): the browser check did not run")
+    need_chromium()
     artifacts = Path(os.environ.get("ORTQ_ARTIFACTS") or tmp_path)
     artifacts.mkdir(parents=True, exist_ok=True)
     screenshot = artifacts / "dashboard.png"
@@ -324,10 +246,18 @@ def test_chromium_renders_the_pages(scene: Scene, tmp_path: Path) -> None:
     assert fields[scene.tiny, scene.worker_name, "ready"] == "ready"
     assert fields[scene.tiny, None, "failed"] == "2"
     assert screenshot.stat().st_size > 10_000 and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # rq-dashboard's job page fills itself in with its own script from the job's JSON.
-    job_page = scene.dashboard.url + f"rq/0/view/job/{scene.failed}"
-    dom = chromium("--virtual-time-budget=5000", "--dump-dom", job_page, user_data_dir=tmp_path / "b")
+    # rq-dashboard's pages fill themselves in with their own scripts from the JSON: the job page,
+    # the queues, a job list and the workers.
+    url, queue = scene.dashboard.url, keys.queue_name(scene.tiny)
+    dom = browse(url + f"rq/0/view/job/{scene.failed}", tmp_path / "b")
     assert "InvalidInput: inputs do not match the model" in dom and f"{keys.JOB_FUNC}({scene.tiny!r})" in dom
+    dom = browse(url + "rq/", tmp_path / "c")
+    assert f"<td>{queue}</td>" in dom and "Loading..." not in dom
+    dom = browse(url + f"rq/0/view/jobs/{queue}/failed/8/asc/1", tmp_path / "d")
+    assert scene.failed in dom and scene.forged in dom and "Loading..." not in dom
+    dom = browse(url + "rq/0/view/workers", tmp_path / "e")
+    assert scene.worker_name in dom and queue in dom and "Loading..." not in dom
+    assert 'id="ortq-problem"' in dom and 'style="display: none"' in dom  # no request failed
     scene.dashboard.check_no_pickle()
 
 
@@ -372,6 +302,23 @@ def test_unpatched_rq_dashboard_unpickles(scene: Scene, tmp_path: Path) -> None:
     assert unpickled("ortq") == []
 
 
+def test_rq_dashboard_reads_through_ortqs_client() -> None:
+    """rq-dashboard would open a client of its own on every request, from the URL it shows (which
+    has no password): it reads through the app's ortq client instead, and no page shows the password."""
+    with LocalRedis() as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", "s3cret-pw")
+        url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        redis.Redis.from_url(url).sadd(keys.RQ_QUEUES_SET, keys.queue_key("guarded"))
+        client = create_app(Settings.from_url(url)).test_client()
+        answer = client.get("/rq/0/data/queues.json")
+        assert answer.status_code == 200 and [q["name"] for q in answer.json["queues"]] == [keys.queue_name("guarded")]
+        for path in ("/", "/rq/", "/rq/0/view/workers"):
+            page = client.get(path)
+            assert (
+                page.status_code == 200 and "s3cret-pw" not in page.text and f"127.0.0.1:{server.port}/0" in page.text
+            )
+
+
 def test_install_refuses_an_unknown_rq_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(web, "Job", type("SomethingElse", (), {}))
     with pytest.raises(ConfigurationError, match=r"rq_dashboard\.web\.Job is not RQ's Job"):
@@ -388,8 +335,7 @@ def test_unreachable_redis_is_a_503(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         status, body = dashboard.fetch("/")
         assert status == 503 and f"cannot reach Redis at redis://127.0.0.1:{port}/0" in body
     finally:
-        dashboard.process.terminate()
-        dashboard.process.wait(15)
+        dashboard.stop()
 
 
 def test_help_has_examples() -> None:

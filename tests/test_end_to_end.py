@@ -12,13 +12,16 @@ import redis
 
 from ortq import keys
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
-from ortq.errors import InferenceFailed, InvalidInput, ResultTimeout
+from ortq.errors import CorruptRecord, InferenceFailed, InvalidInput, ResponseMismatch, ResultTimeout
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
-from ortq.wire import encode_request
+from ortq.wire import encode_request, encode_response
 from tests.conftest import WorkerProcesses, eventually
+
+#: The end-to-end subset that scripts/test.sh also runs under RQ 2.12.
+pytestmark = pytest.mark.rqcompat
 
 
 def direct(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -87,7 +90,8 @@ def test_two_workers_share_one_queue(
     eventually(lambda: connection.zcard(finished_registry) == len(jobs))
 
 
-def test_infer_times_out_cleanly_without_a_worker(producer: Producer, model_name: str, connection: redis.Redis) -> None:
+def test_infer_times_out_cleanly_without_a_worker(redis_url: str, model_name: str, connection: redis.Redis) -> None:
+    producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
     started = time.monotonic()
     with pytest.raises(ResultTimeout):
         producer.infer(model_name, {"x": np.zeros((1, 4), np.float32)}, timeout=1.0)
@@ -189,8 +193,9 @@ def test_results_can_be_read_again_and_by_another_producer(
 
 
 def test_results_of_many_jobs_are_waited_for_together(
-    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
 ) -> None:
+    producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)  # no worker yet
     xs = [np.full((1, 4), i, np.float32) for i in range(40)]
     jobs = producer.submit_many(model_name, [{"x": x} for x in xs])
     with pytest.raises(ResultTimeout, match="40 of 40 jobs had no result"):
@@ -203,3 +208,21 @@ def test_results_of_many_jobs_are_waited_for_together(
     with pytest.raises(InferenceFailed) as caught:
         unchecked.results(mixed, timeout=30)
     assert caught.value.job_id == mixed[1].id
+
+
+def test_forged_and_corrupt_replies_are_refused(redis_url: str, model_name: str, connection: redis.Redis) -> None:
+    """A reply without the request's nonce is ResponseMismatch; a reply key that is no stream is
+    CorruptRecord naming the job; neither ever returns outputs."""
+    producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
+    x = {"x": np.ones((1, 4), np.float32)}
+    forged, corrupt, fine = producer.submit_many(model_name, [x, x, x])
+    frame = encode_response({"y": np.zeros((1, 4), np.float32)}, nonce=b"\x00" * 16)
+    connection.xadd(keys.reply_key(forged.id), {"frame": frame})
+    with pytest.raises(ResponseMismatch, match=forged.id):
+        forged.result(timeout=5)
+    connection.set(keys.reply_key(corrupt.id), b"not a stream")
+    with pytest.raises(CorruptRecord, match=f"reply key of job {corrupt.id}"):
+        producer.results([fine, corrupt], timeout=5)
+    answer = encode_response({"y": np.ones((1, 4), np.float32)}, nonce=fine.nonce)  # as a worker answers
+    connection.xadd(keys.reply_key(fine.id), {"frame": answer})
+    np.testing.assert_array_equal(fine.result(timeout=5)["y"], np.ones((1, 4), np.float32))

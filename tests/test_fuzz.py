@@ -151,9 +151,9 @@ def wait_reply(r: redis.Redis, job_id: str, worker: subprocess.Popen[bytes], log
     key = keys.reply_key(job_id)
     deadline = time.monotonic() + 30  # a bound on a hang, not a timing: a reply takes milliseconds
     while time.monotonic() < deadline:
-        frame = r.execute_command("BLMOVE", key, key, "RIGHT", "LEFT", 0.2)
-        if frame is not None:
-            return bytes(frame)
+        reply = r.xread({key: "0-0"}, block=200)
+        if reply:
+            return bytes(reply[0][1][0][1][b"frame"])
         if worker.poll() is not None:
             raise AssertionError(f"the worker exited with status {worker.returncode}:\n{logs()[-6000:]}")
     raise AssertionError(f"no reply to job {job_id} in 30 s: the worker hung\n{logs()[-6000:]}")
@@ -177,7 +177,7 @@ class Served:
     """A worker serving the tiny model, and what the checks of one hostile job need."""
 
     def __init__(self, workers: WorkerProcesses, redis_url: str, model: str, tiny_path: Path) -> None:
-        workers.serve(tiny_path, model, redis_url, 1, "--max-batch", "4", "--max-wait-ms", "5")
+        workers.serve(tiny_path, model, redis_url, 1, "--max-batch", "4", "--rows-independent", "--max-wait-ms", "5")
         self.workers = workers
         self.worker = workers.processes[0][0]
         self.model = model
@@ -206,7 +206,7 @@ class Served:
             eventually(lambda: self.r.hget(job_key, "status") == b"failed")
             failed = f"rq:failed:{keys.queue_name(self.model)}"
             eventually(lambda: self.r.zscore(failed, job_id) is not None)
-        assert self.r.llen(keys.reply_key(job_id)) == 1
+        assert self.r.xlen(keys.reply_key(job_id)) == 1
         eventually(lambda: not self.r.exists(keys.request_key(job_id)))  # side keys do not outlive jobs
 
     def run_then_serve_a_good_job(self, jobs: list[tuple[HostileJob, Expected]]) -> None:

@@ -14,7 +14,7 @@ from prometheus_client.samples import Sample
 
 from ortq.errors import ConfigurationError
 from ortq.localredis import LocalRedis
-from ortq.metrics import DURATION_BUCKETS, METRIC_NAMES, MetricsServer, WorkerMetrics
+from ortq.metrics import DURATION_BUCKETS, METRIC_NAMES, MetricsServer, WorkerMetrics, open_metrics_port
 
 LABELS = {"model": "digits", "adapter": "NVIDIA H200", "provider": "CUDAExecutionProvider", "worker": "w1"}
 
@@ -198,3 +198,44 @@ def test_port_in_use_is_a_configuration_error_and_close_frees_it() -> None:
         metrics.serve("192.0.2.1", 0)  # TEST-NET-1: never a local address
     with pytest.raises(ConfigurationError, match="0-65535"):
         metrics.serve("127.0.0.1", 70000)
+
+
+def test_the_port_opens_before_the_metrics_exist_and_follows_the_worker_to_its_exit(
+    metrics: WorkerMetrics, connection: redis.Redis, queue_key: str
+) -> None:
+    """The worker's sequence (docs/operations.md): open at start-up, attach once the session is up,
+    ready while serving, not ready once asked to stop, closed at exit; every step over HTTP."""
+    server = open_metrics_port("127.0.0.1", 0, model="digits", worker="w1")
+    try:
+        # Start-up: alive, not ready, and only the readiness gauge, at 0, for what is known.
+        assert get(server, "/live")[::2] == (200, "live\n")
+        assert get(server, "/ready")[::2] == (503, "not ready\n")
+        [sample] = scrape(server)
+        assert sample.name == "ortq_worker_ready" and sample.value == 0
+        assert sample.labels == {"model": "digits", "adapter": "", "provider": "", "worker": "w1"}
+
+        server.attach(metrics)  # the session is up: every series, still not ready
+        assert get(server, "/ready")[0] == 503
+        connection.lpush(queue_key, "a")
+        samples = scrape(server)
+        assert value(samples, "ortq_worker_ready", **LABELS) == 0
+        assert value(samples, "ortq_queue_depth", **LABELS) == 1
+        assert not [s for s in samples if s.labels.get("adapter") == ""]
+
+        metrics.set_ready(True)  # its record is out: serving
+        assert get(server, "/ready")[::2] == (200, "ready\n")
+        assert value(scrape(server), "ortq_worker_ready") == 1
+        metrics.set_ready(False)  # asked to stop: finishing its job
+        assert get(server, "/ready")[0] == 503
+        assert get(server, "/live")[0] == 200
+    finally:
+        server.close()
+    with pytest.raises(urllib.error.URLError):  # exited: the port is closed
+        urllib.request.urlopen(server.url + "/live", timeout=5)
+
+
+def test_opening_fails_at_once_for_a_port_in_use() -> None:
+    with open_metrics_port("127.0.0.1", 0) as first:
+        with pytest.raises(ConfigurationError, match=rf"127\.0\.0\.1:{first.port}: .*already uses this --metrics-port"):
+            open_metrics_port("127.0.0.1", first.port, model="m", worker="w")
+        assert get(first, "/ready")[0] == 503  # the first one is untouched

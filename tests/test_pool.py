@@ -114,6 +114,7 @@ BAD_MODELS = [
     ("threads = 0\n", GROUP, "threads must be an integer >= 1, got 0"),
     ("provider = 'gpu'\n", GROUP, "provider must be one of cpu, cuda, dml, auto, got 'gpu'"),
     ("max_wait_ms = 2\n", GROUP, "max_wait_ms only applies with max_batch > 1"),
+    ("max_batch = 4\n", GROUP, "max_batch > 1 needs rows_independent = true: batching joins several jobs' rows"),
     ("policy = 'max-performance'\n", GROUP, "policy applies to provider 'auto' only, not 'cpu'"),
     ("", "", "[[model]] #1 ('m'): no [[model.workers]] tables"),
     ("", "[[model.workers]]\nadapter = 'discrete'\ncount = 1\n",
@@ -191,6 +192,7 @@ def test_twin_gpus_each_worker_gets_its_device_by_a_stable_spec(tmp_path: Path, 
         provider = "cuda"
         max_batch = 8
         max_wait_ms = 2
+        rows_independent = true
         [[model.workers]]
         adapter = "0"
         count = 2

@@ -1,97 +1,244 @@
-"""A job enqueued and read with plain Redis commands, exactly as docs/wire-format.md says.
+"""Jobs enqueued and read with plain Redis commands, exactly as docs/wire-format.md says.
 
 Nothing from ortq is used on the client side: the frame is built with struct + msgpack, the
 commands are sent with ``execute_command``, and the response is parsed by hand, as a service in
-another language would.
+another language would. (ortq is imported once, to load the worker's Redis function before any
+worker runs, and to check that the doc's EVAL script is ortq's.)
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import struct
 import uuid
+import zlib
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
 import redis
 
-from tests.conftest import WorkerProcesses
+from ortq.producer import priority
+from tests.conftest import REPO, WorkerProcesses
+
+WAIT = 600  # <wait>: min(request_ttl, ttl) of these jobs
+FAILURE_TTL = 600
 
 
-def request_frame(name: str, array: np.ndarray) -> bytes:
+def doc_high_priority_script() -> str:
+    """The EVAL script of docs/wire-format.md section 3.5, as written there."""
+    doc = (REPO / "docs" / "wire-format.md").read_text()
+    section = doc[doc.index("### 3.5 High priority") : doc.index("### 3.6")]
+    found = re.search(r"```lua\n(.*?)```", section, re.S)
+    assert found is not None
+    return found.group(1)
+
+
+def request_frame(name: str, array: np.ndarray, nonce: bytes | None = None) -> bytes:
     data = array.astype("<f4").tobytes(order="C")
     header = msgpack.packb(
         {
             "v": 1,
             "kind": "request",
             "inputs": {name: {"dtype": "float32", "shape": list(array.shape), "offset": 0, "nbytes": len(data)}},
+            **({"options": {"nonce": nonce}} if nonce is not None else {}),
         }
     )
     frame = b"ORTQ" + struct.pack("<I", len(header)) + header
     return frame + b"\0" * (-len(frame) % 8) + data
 
 
-def parse_response(frame: bytes) -> dict[str, object]:
+def parse_response(frame: bytes) -> dict[str, Any]:
     assert frame[:4] == b"ORTQ"
     (length,) = struct.unpack_from("<I", frame, 4)
-    header: dict[str, object] = msgpack.unpackb(frame[8 : 8 + length])
+    header: dict[str, Any] = msgpack.unpackb(frame[8 : 8 + length])
     data_start = (8 + length + 7) // 8 * 8
     assert header["v"] == 1 and header["kind"] == "response"
     if header["ok"]:
         outputs = {}
-        for name, d in header["outputs"].items():  # type: ignore[attr-defined]
+        for name, d in header["outputs"].items():
             raw = frame[data_start + d["offset"] : data_start + d["offset"] + d["nbytes"]]
             outputs[name] = np.frombuffer(raw, dtype=np.dtype(d["dtype"]).newbyteorder("<")).reshape(d["shape"])
         header["outputs"] = outputs
     return header
 
 
-def enqueue_by_hand(r: redis.Redis, model: str, frame: bytes) -> str:
-    job_id = str(uuid.uuid4())
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    data = msgpack.packb(["ortq.rqjob.infer", None, [model], {}])
+def rq_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def job_fields(model: str, **overrides: object) -> dict[str, object]:
+    """The job hash of section 3.3; an override of None leaves the field out."""
+    now = rq_now()
+    fields: dict[str, object] = {
+        "status": "queued",
+        "origin": f"ortq:{model}",
+        "data": msgpack.packb(["ortq.rqjob.infer", None, [model], {}]),
+        "description": f"ortq.rqjob.infer('{model}')",
+        "created_at": now,
+        "enqueued_at": now,
+        "result_ttl": 600,
+        "failure_ttl": FAILURE_TTL,
+        **overrides,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def enqueue_by_hand(
+    r: redis.Redis, model: str, frame: bytes, *, high: str | None = None, job_id: str | None = None, **fields: object
+) -> str:
+    """Section 3.2's transaction for one job; ``high``: 'fcall' or 'eval' (section 3.5)."""
+    job_id = job_id or str(uuid.uuid4())
+    queue, last_high = f"rq:queue:ortq:{model}", f"ortq:last-high:{model}"
+    flat = [item for pair in job_fields(model, **fields).items() for item in pair]
     r.execute_command("MULTI")
-    r.execute_command("SET", f"ortq:req:{job_id}", frame, "EX", 600)
-    r.execute_command(
-        "HSET", f"rq:job:{job_id}", "status", "queued", "origin", f"ortq:{model}", "data", data,
-        "description", f"ortq.rqjob.infer('{model}')", "created_at", now, "enqueued_at", now,
-        "result_ttl", 600, "failure_ttl", 600,
-    )  # fmt: skip
-    r.execute_command("SADD", "rq:queues", f"rq:queue:ortq:{model}")
-    r.execute_command("RPUSH", f"rq:queue:ortq:{model}", job_id)
-    r.execute_command("EXEC")
+    r.execute_command("SET", f"ortq:req:{job_id}", frame, "EX", WAIT)
+    r.execute_command("HSET", f"rq:job:{job_id}", *flat)
+    r.execute_command("EXPIRE", f"rq:job:{job_id}", WAIT + FAILURE_TTL)
+    r.execute_command("SADD", "rq:queues", queue)
+    if high == "fcall":
+        r.execute_command("FCALL", "ortq_enqueue_high_v2", 2, queue, last_high, job_id, WAIT)
+    elif high == "eval":
+        r.execute_command("EVAL", doc_high_priority_script(), 2, queue, last_high, job_id, WAIT)
+    else:
+        r.execute_command("RPUSH", queue, job_id)
+    replies = r.execute_command("EXEC")
+    assert not any(isinstance(reply, Exception) for reply in replies), replies
     return job_id
 
 
 def wait_reply(r: redis.Redis, job_id: str) -> bytes:
     key = f"ortq:reply:{job_id}"
     for _ in range(20):  # 20 x 1 s blocks, each under the client's socket timeout
-        frame = r.execute_command("BLMOVE", key, key, "RIGHT", "LEFT", 1)
-        if frame is not None:
-            return bytes(frame)
+        reply = r.execute_command("XREAD", "BLOCK", 1000, "STREAMS", key, "0-0")
+        if reply:
+            [[stream, [[_entry_id, fields]]]] = reply
+            assert stream == key.encode()
+            return bytes(as_dict(fields)[b"frame"])
     raise AssertionError("no reply")
 
 
+def as_dict(fields: Any) -> dict[bytes, bytes]:
+    """A stream entry's fields (redis-py parses them into a dict; raw RESP is a flat list)."""
+    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
+
+
+def latest_result(r: redis.Redis, job_id: str) -> dict[bytes, bytes]:
+    """The newest entry of RQ's result stream (section 4.6)."""
+    [(_entry_id, fields)] = r.execute_command("XREVRANGE", f"rq:results:{job_id}", "+", "-", "COUNT", 1)
+    return as_dict(fields)
+
+
+def test_doc_script_is_ortqs() -> None:
+    assert doc_high_priority_script() == priority.script_source()
+
+
 def test_raw_enqueue_and_read(workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path) -> None:
-    workers.serve(tiny_path, model_name, redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    x = np.array([[1, 2, 3, 4], [-1, 0, 0.5, 8]], dtype=np.float32)
+    job_id = enqueue_by_hand(r, model_name, request_frame("x", x, nonce=b"0123456789abcdef"))
+    # Until a worker starts it, the job hash expires (section 3.2), as does the request frame.
+    assert 0 < r.execute_command("TTL", f"rq:job:{job_id}") <= WAIT + FAILURE_TTL
+    assert 0 < r.execute_command("TTL", f"ortq:req:{job_id}") <= WAIT
+
+    workers.serve(tiny_path, model_name, redis_url)
     signature = json.loads(r.execute_command("GET", f"ortq:signature:{model_name}"))
     assert signature["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]
-
-    x = np.array([[1, 2, 3, 4], [-1, 0, 0.5, 8]], dtype=np.float32)
-    job_id = enqueue_by_hand(r, model_name, request_frame("x", x))
     response = parse_response(wait_reply(r, job_id))
-    assert response["ok"] is True
-    np.testing.assert_array_equal(response["outputs"]["y"], x * 2 + 1)  # type: ignore[index]
-    # The response stays readable, and the job's status is already final.
-    assert r.execute_command("LINDEX", f"ortq:reply:{job_id}", 0) is not None
+    assert response["ok"] is True and response["nonce"] == b"0123456789abcdef"
+    assert set(response["timings"]) == {"queue", "decode", "run"}
+    np.testing.assert_array_equal(response["outputs"]["y"], x * 2 + 1)
+    # The response stays readable, the job's status is already final, the frame is gone.
+    assert r.execute_command("XLEN", f"ortq:reply:{job_id}") == 1
     assert r.execute_command("HGET", f"rq:job:{job_id}", "status") == b"finished"
+    assert r.execute_command("EXISTS", f"ortq:req:{job_id}") == 0
+    assert 0 < r.execute_command("TTL", f"ortq:reply:{job_id}") <= 600
+    result = latest_result(r, job_id)
+    assert result[b"type"] == b"1"
+    summary = msgpack.unpackb(base64.b64decode(result[b"return_value"]))
+    assert summary["reply_key"] == f"ortq:reply:{job_id}"
+    assert summary["outputs"] == {"y": ["float32", [2, 4]]} and summary["batch_size"] == 1
 
-    bad = enqueue_by_hand(r, model_name, request_frame("not_x", x))
+    bad = enqueue_by_hand(r, model_name, request_frame("not_x", x, nonce=b"fedcba9876543210"))
     failure = parse_response(wait_reply(r, bad))
-    assert failure["ok"] is False
-    assert failure["error"]["type"] == "InvalidInput"  # type: ignore[index]
-    assert "not_x" in failure["error"]["message"]  # type: ignore[index]
+    assert failure["ok"] is False and failure["nonce"] == b"fedcba9876543210"
+    assert failure["error"]["type"] == "InvalidInput"
+    assert "not_x" in failure["error"]["message"]
     assert r.execute_command("HGET", f"rq:job:{bad}", "status") == b"failed"
+    result = latest_result(r, bad)
+    assert result[b"type"] == b"2"
+    assert zlib.decompress(base64.b64decode(result[b"exc_string"])).decode().startswith("InvalidInput: ")
+
+
+def test_raw_priority_and_cancel(workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path) -> None:
+    """High priority by FCALL and by the doc's EVAL, a cancel, then a worker serves the rest."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    # What every worker does at start-up; here before any worker runs, so the queue stays still.
+    r.execute_command("FUNCTION", "LOAD", "REPLACE", priority.library_source())
+    x = np.ones((1, 4), dtype=np.float32)
+    frame = request_frame("x", x)
+    normal = [enqueue_by_hand(r, model_name, frame) for _ in range(3)]
+    high1 = enqueue_by_hand(r, model_name, frame, high="eval", ortq_priority="high")
+    high2 = enqueue_by_hand(r, model_name, frame, high="fcall", ortq_priority="high")
+    queue = f"rq:queue:ortq:{model_name}"
+    assert [i.decode() for i in r.execute_command("LRANGE", queue, 0, -1)] == [high1, high2, *normal]
+    assert r.execute_command("GET", f"ortq:last-high:{model_name}") == high2.encode()
+    assert 0 < r.execute_command("TTL", f"ortq:last-high:{model_name}") <= WAIT
+
+    canceled = normal.pop()
+    assert r.execute_command("LREM", queue, 0, canceled) == 1
+    r.execute_command("MULTI")
+    r.execute_command("DEL", f"ortq:req:{canceled}")
+    r.execute_command("HSET", f"rq:job:{canceled}", "status", "canceled")
+    r.execute_command("ZADD", f"rq:canceled:ortq:{model_name}", int(datetime.now(UTC).timestamp()), canceled)
+    r.execute_command("EXEC")
+    assert r.execute_command("LREM", queue, 0, canceled) == 0  # a second cancel finds nothing
+
+    workers.serve(tiny_path, model_name, redis_url)
+    for job_id in [high1, high2, *normal]:
+        response = parse_response(wait_reply(r, job_id))
+        np.testing.assert_array_equal(response["outputs"]["y"], x * 2 + 1)
+    assert r.execute_command("EXISTS", f"ortq:reply:{canceled}") == 0
+    assert r.execute_command("HGET", f"rq:job:{canceled}", "status") == b"canceled"
+
+
+def test_raw_lenient_fields_and_bad_ids(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    """What the worker does with what section 3.3/3.4 call optional or unreadable, and with ids
+    outside the rule (section 1)."""
+    workers.serve(tiny_path, model_name, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    x = np.zeros((1, 4), dtype=np.float32)
+
+    # No result_ttl / failure_ttl: the worker's own (600 s by default) apply. An ISO time with an
+    # offset is read: the queue timing is there.
+    iso = datetime.now(UTC).isoformat()
+    lenient = enqueue_by_hand(
+        r, model_name, request_frame("x", x), result_ttl=None, failure_ttl=None, created_at=iso, enqueued_at=iso
+    )
+    response = parse_response(wait_reply(r, lenient))
+    assert response["ok"] is True and "queue" in response["timings"]
+    assert 0 < r.execute_command("TTL", f"ortq:reply:{lenient}") <= 600
+    # An unreadable enqueued_at is no error: no queue timing, and the job still runs.
+    odd = enqueue_by_hand(r, model_name, request_frame("x", x), enqueued_at="1714564800", ttl=5)
+    response = parse_response(wait_reply(r, odd))
+    assert response["ok"] is True and "queue" not in response["timings"]
+
+    # A printable id outside the rule is answered InvalidJob; its record is failed and expires.
+    bad_id = f"{model_name}.bad"
+    enqueue_by_hand(r, model_name, request_frame("x", x), job_id=bad_id)
+    failure = parse_response(wait_reply(r, bad_id))
+    assert failure["ok"] is False and failure["error"]["type"] == "InvalidJob" and "nonce" not in failure
+    assert r.execute_command("HGET", f"rq:job:{bad_id}", "status") == b"failed"
+    assert r.execute_command("TTL", f"rq:job:{bad_id}") > 0
+    # One that is not printable is dropped (and logged); the worker goes on serving.
+    unprintable = f"{model_name} bad"
+    enqueue_by_hand(r, model_name, request_frame("x", x), job_id=unprintable)
+    after = enqueue_by_hand(r, model_name, request_frame("x", x))
+    assert parse_response(wait_reply(r, after))["ok"] is True
+    assert r.execute_command("EXISTS", f"ortq:reply:{unprintable}") == 0

@@ -36,7 +36,7 @@ def test_workers_ride_out_a_redis_restart_under_load(
     workers: WorkerProcesses, durable_redis: LocalRedis, model_name: str, tiny_path: Path
 ) -> None:
     url = durable_redis.url
-    workers.serve(tiny_path, model_name, url, 2, "--max-batch", "4")
+    workers.serve(tiny_path, model_name, url, 2, "--max-batch", "4", "--rows-independent")
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal((2, 4)).astype(np.float32) for _ in range(200)]
     with Producer(settings=Settings.from_url(url)) as producer:
@@ -70,7 +70,7 @@ def test_a_result_computed_while_redis_is_down_is_delivered(
 
 @pytest.mark.timeout(60)
 def test_producers_get_a_clear_error_when_redis_is_gone(durable_redis: LocalRedis, model_name: str) -> None:
-    producer = Producer(settings=Settings.from_url(durable_redis.url), validate=False)
+    producer = Producer(settings=Settings.from_url(durable_redis.url), validate=False, allow_unknown_models=True)
     job = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
     durable_redis.stop()
     with pytest.raises(BrokerUnavailable, match="could not enqueue"):

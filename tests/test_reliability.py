@@ -32,8 +32,8 @@ BAN = Path(__file__).parent / "pickle_ban"
 
 @pytest.fixture(scope="module")
 def slower_path(models_dir: Path) -> Path:
-    """A model whose one run takes seconds (about 4 x 0.7 s here)."""
-    return onnx_models.slow_model(models_dir / "slower.onnx", 4 * onnx_models.SLOW_MODEL_LOOPS)
+    """A model whose one single-threaded run takes about 3 s on this machine."""
+    return onnx_models.timed_slow_model(models_dir / "slower.onnx", 3.0)
 
 
 def test_nothing_is_unpickled_in_a_full_run(
@@ -51,7 +51,7 @@ def test_nothing_is_unpickled_in_a_full_run(
 
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
-    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "4")
+    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "4", "--rows-independent")
     producer = Producer(settings=Settings.from_url(redis_url), validate=False)
     x = np.ones((2, 4), np.float32)
     good = producer.submit_many(model_name, [{"x": x}] * 5)
@@ -91,7 +91,9 @@ def test_job_timeout_stops_a_running_session_run(
 ) -> None:
     workers.serve(slower_path, model_name, redis_url)
     x = {"x": np.ones((1, 256), np.float32)}
-    session = ort.InferenceSession(str(slower_path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1  # as the worker runs it (--threads 1)
+    session = ort.InferenceSession(str(slower_path), options, providers=["CPUExecutionProvider"])
     started = time.perf_counter()
     session.run(None, x)
     unstopped = time.perf_counter() - started
@@ -111,6 +113,7 @@ def test_job_timeout_stops_a_running_session_run(
 def test_a_job_past_its_ttl_fails_with_a_reason(
     producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
 ) -> None:
+    producer = Producer(settings=producer.settings, allow_unknown_models=True)  # before any worker starts
     late = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, ttl=1)
     time.sleep(1.5)  # no worker yet: the job outlives its ttl in the queue
     workers.serve(tiny_path, model_name, redis_url)
@@ -126,13 +129,13 @@ def test_backpressure_and_payload_limits(
     workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, monkeypatch: pytest.MonkeyPatch,
     connection: redis.Redis,
 ) -> None:  # fmt: skip
-    bounded = Producer(settings=Settings.from_url(redis_url, max_queue_length=3))
+    bounded = Producer(settings=Settings.from_url(redis_url, max_queue_length=3), allow_unknown_models=True)
     x = {"x": np.ones((1, 4), np.float32)}
     bounded.submit_many(model_name, [x, x])
     with pytest.raises(QueueFull, match="holds 2 jobs; 2 more would pass max_queue_length"):
         bounded.submit_many(model_name, [x, x])
     assert connection.llen(keys.queue_key(model_name)) == 2  # nothing of the refused batch went in
-    small = Producer(settings=Settings.from_url(redis_url, max_frame_bytes=200))
+    small = Producer(settings=Settings.from_url(redis_url, max_frame_bytes=200), allow_unknown_models=True)
     with pytest.raises(PayloadTooLarge):
         small.submit(model_name, {"x": np.ones((50, 4), np.float32)})
     # The worker's own limit, checked before decoding: a frame over it fails that job alone.
@@ -187,7 +190,7 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
     assert connection.hget(keys.job_key(job.id), "ortq_recoveries") == b"1"
     assert connection.hget(keys.job_key(job.id), "worker_name") != victim
-    assert connection.llen(keys.reply_key(job.id)) == 1  # answered once
+    assert connection.xlen(keys.reply_key(job.id)) == 1  # answered once
     assert job.status() == "finished"
 
 
@@ -196,7 +199,7 @@ def test_a_busy_worker_takes_back_a_dead_workers_job_during_its_own_run(
     connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     # Runs of several seconds each, heartbeats every second: a dead worker is seen after 3 s.
-    longest = onnx_models.slow_model(models_dir / "longest.onnx", 12 * onnx_models.SLOW_MODEL_LOOPS)
+    longest = onnx_models.timed_slow_model(models_dir / "longest.onnx", 8.0)
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "1")
     workers.serve(longest, model_name, redis_url, 2)
     x = {"x": np.ones((1, 256), np.float32)}

@@ -1,8 +1,6 @@
-"""What ortq's lean per-job path writes is what RQ itself writes and reads.
-
-The worker does RQ's "started" and "finished" writes in two Lua scripts (bookkeeping.py);
-these tests read the result back through RQ's own APIs, and compare it field by field with
-what RQ's own SimpleWorker writes for a job it runs.
+"""What ortq's worker writes reads back through RQ's own APIs (registries, ``Job.fetch``,
+``latest_result``, executions, ``Worker``), for the RQ series installed (tests/rqcontract compares
+the records field by field). Marked ``rqcompat``: run under RQ 2.12 as well.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
@@ -23,6 +22,8 @@ from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from tests import onnx_models
 from tests.conftest import WorkerProcesses, eventually
+
+pytestmark = pytest.mark.rqcompat
 
 
 def echo(value: int) -> dict[str, int]:
@@ -83,9 +84,10 @@ def test_a_running_job_is_started_in_rq(
     eventually(lambda: job.status() == "started")
     assert StartedJobRegistry(queue, connection=connection).get_job_ids() == [job.id]
     [execution] = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer).get_executions()
-    worker_name = execution.worker_name
-    assert connection.hget(f"rq:worker:{worker_name}", "state") == b"busy"
-    assert connection.hget(f"rq:worker:{worker_name}", "current_job") == job.id.encode()
+    worker = SimpleWorker.find_by_key(f"rq:worker:{execution.worker_name}", connection=connection,
+                                      serializer=MsgpackSerializer)  # fmt: skip
+    assert worker is not None and worker.get_state() == "busy"
+    assert worker.get_current_job_id() == job.id  # RQ 2: the worker hash; RQ 3: its executions
     job.result(timeout=60)
     eventually(lambda: StartedJobRegistry(queue, connection=connection).get_job_ids() == [])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ortq.errors import InferenceFailed
 from ortq.localredis import free_port
 from ortq.producer import Producer
+from tests import onnx_models
 from tests.conftest import WorkerProcesses, eventually
 
 
@@ -68,3 +70,37 @@ def test_worker_metrics_and_readiness(
     process.terminate()
     assert process.wait(30) == 0
     assert _get(base + "/ready")[0] != 200
+
+
+#: Until ortq/worker/serve.py opens the port before building the worker (open_metrics_port, then
+#: attach: see ortq/metrics.py), the port opens only once the model is warm. Remove the marker then.
+def test_worker_answers_live_and_not_ready_while_its_model_loads(
+    workers: WorkerProcesses, producer: Producer, model_name: str, models_dir: Path
+) -> None:
+    slow = onnx_models.slow_model(models_dir / "metrics-slow.onnx", loops=8000)  # a warm-up of seconds
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = workers.start(slow, model_name, producer.settings.redis_url, "--metrics-port", str(port))
+    eventually(lambda: _get(base + "/live")[0] == 200, timeout=60)
+    # Seen while loading: the start-up gauge only (no adapter or provider yet), not ready, no record.
+    assert _get(base + "/ready")[0] == 503
+    _, text = _get(base + "/metrics")
+    starting = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert [(s.name, s.labels["adapter"], s.value) for s in starting] == [("ortq_worker_ready", "", 0)], text
+    eventually(lambda: _get(base + "/ready")[0] == 200, timeout=60)
+    assert producer.workers(model_name)
+    process.terminate()
+    assert process.wait(30) == 0
+    assert _get(base + "/live")[0] == 0  # closed at exit
+
+
+def test_worker_with_its_metrics_port_taken_stops_before_loading_the_model(
+    workers: WorkerProcesses, producer: Producer, model_name: str, tiny_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        process = workers.start(tiny_path, model_name, producer.settings.redis_url, "--metrics-port", port)
+        assert process.wait(60) == 2
+    log = workers.logs()
+    assert "already uses this --metrics-port" in log
+    assert "loaded on" not in log, log  # refused before the session was created

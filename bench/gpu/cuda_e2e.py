@@ -135,7 +135,7 @@ def batched_drain(
         session.run(None, stacked)
     direct_items = jobs / (time.perf_counter() - t)
     name = f"{model.stem}-batch{batch}"
-    process = start_worker(model, name, url, "0", "--max-batch", str(batch), "--max-wait-ms", "2")
+    process = start_worker(model, name, url, "0", "--max-batch", str(batch), "--rows-independent", "--max-wait-ms", "2")
     try:
         producer.wait_for_workers(name, 1, timeout=120)
         for job in producer.submit_many(name, [one] * batch):

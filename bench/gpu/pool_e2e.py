@@ -72,7 +72,7 @@ def write_config(folder: Path, model: Path, url: str, uuids: list[str], per_gpu:
     path.write_text(
         f'[pool]\nredis_url = "{url}"\nmetrics_port_base = {METRICS_BASE}\ngrace_seconds = 30\n'
         f'log_dir = "{folder / "logs"}"\n\n[[model]]\nname = "{model.stem}"\npath = "{model}"\nprovider = "cuda"\n'
-        f"max_batch = 32\nmax_wait_ms = 2\n{groups}"
+        f"max_batch = 32\nmax_wait_ms = 2\nrows_independent = true\n{groups}"
     )
     return path
 

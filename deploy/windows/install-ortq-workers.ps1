@@ -55,7 +55,7 @@ Where the workers' logs go.
 ports from this one, on 127.0.0.1.
 
 .PARAMETER ExtraArguments
-More `ortq worker` options for every worker, e.g. @('--max-batch', '16', '--max-wait-ms', '2').
+More `ortq worker` options for every worker, e.g. @('--max-batch', '16', '--max-wait-ms', '2', '--rows-independent').
 
 .PARAMETER Start
 Start the tasks now instead of at the next boot.

@@ -1,1 +1,2 @@
-"""``ortq dashboard``: rq-dashboard with ortq's serializer, plus an ortq page."""
+"""``ortq dashboard``: an ortq page plus rq-dashboard, pickle-free, escaped, CSRF-checked, with an
+optional login (docs/operations.md, "Dashboard")."""

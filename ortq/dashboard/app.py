@@ -1,19 +1,24 @@
 """The dashboard's one Flask app: the ortq page at ``/``, its data at ``/api/info`` and
-rq-dashboard (made pickle-free by :mod:`ortq.dashboard.rqdash`) at ``/rq/``."""
+rq-dashboard (made pickle-free by :mod:`ortq.dashboard.rqdash`, its pages escaped by
+:mod:`ortq.dashboard.templates`) at ``/rq/``, every request checked by :mod:`ortq.dashboard.guard`."""
 
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 
 import click
 import redis
 from flask import Flask, Response, jsonify, make_response, render_template_string, url_for
+from jinja2 import BaseLoader
 from werkzeug.serving import make_server
 
-from ortq.dashboard import rqdash
+from ortq.dashboard import guard, rqdash, rqviews
 from ortq.dashboard.page import TEMPLATE, UNREACHABLE, page_context
+from ortq.dashboard.records import describe
+from ortq.dashboard.templates import PatchedTemplates
 from ortq.info import collect
-from ortq.settings import Settings, redacted_url
+from ortq.settings import REDIS_DOWN, Settings, redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +28,27 @@ RQ_PREFIX = "/rq"
 REFRESH_SECONDS = 5
 
 
-def create_app(settings: Settings, refresh_seconds: int = REFRESH_SECONDS) -> Flask:
-    """The app for the Redis in ``settings``. Makes rq-dashboard pickle-free process-wide."""
+class DashboardFlask(Flask):
+    """Flask with rq-dashboard's templates as :mod:`ortq.dashboard.templates` patches them, and
+    every template autoescaped (Flask's default leaves rq-dashboard's ``*.js`` includes raw)."""
+
+    def select_jinja_autoescape(self, filename: str | None) -> bool:
+        return True
+
+    @cached_property
+    def jinja_loader(self) -> BaseLoader | None:  # searched before the blueprint's own templates
+        return PatchedTemplates()
+
+
+def create_app(settings: Settings, access: guard.Access | None = None, refresh_seconds: int = REFRESH_SECONDS) -> Flask:
+    """The app for the Redis in ``settings``, open to ``access`` (default: anyone who reaches it,
+    any Host). Makes rq-dashboard pickle-free process-wide; refuses (ConfigurationError) an
+    rq-dashboard whose names, views or templates are not the ones ortq's fixes were made for."""
     blueprint = rqdash.install()
     # rq-dashboard's base template links the app's own favicon.ico: its static folder is the app's.
-    app = Flask(__name__, static_folder=str(rqdash.STATIC_DIR), static_url_path="/static")
+    app = DashboardFlask(__name__, static_folder=str(rqdash.STATIC_DIR), static_url_path="/static")
+    assert app.jinja_loader is not None  # patches and checks the templates now, not at the first page
+    guard.install(app, access or guard.Access())
     try:
         connection = settings.connect()  # a wrong password or certificate stops it here
     except redis.ConnectionError as exc:
@@ -36,21 +57,33 @@ def create_app(settings: Settings, refresh_seconds: int = REFRESH_SECONDS) -> Fl
         connection = settings.connect(check=False)
     app.register_blueprint(blueprint, url_prefix=RQ_PREFIX)
     rqdash.connect_blueprint(app, connection, settings.redis_url)
+    rqviews.install_views(app)
+    app.before_request(rqviews.check_arguments)
+
+    def job_url(job_id: str) -> str:
+        return url_for("rq_dashboard.job_view", instance_number=0, job_id=job_id)
 
     @app.get("/")
     def overview() -> Response:
         context = page_context(connection, settings.redis_url)
         html = render_template_string(
-            TEMPLATE, refresh_seconds=refresh_seconds, rq_url=url_for("rq_dashboard.queues_overview"), **context
-        )
-        return _no_store(make_response(html))
+            TEMPLATE, refresh_seconds=refresh_seconds, rq_url=url_for("rq_dashboard.queues_overview"),
+            job_url=job_url, **context,
+        )  # fmt: skip
+        return make_response(html)
 
     @app.get("/api/info")
-    def api_info() -> Response:
-        return _no_store(jsonify(collect(connection)))
+    def api_info() -> Response | tuple[Response, int]:
+        try:
+            return jsonify(collect(connection))
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # a record ortq cannot read (the page at / says the same)
+            return jsonify(error=f"ortq's records in this Redis cannot be read: {describe(exc)}"), 502
 
     @app.errorhandler(redis.exceptions.ConnectionError)
-    def redis_down(exc: redis.exceptions.ConnectionError) -> tuple[str, int]:
+    @app.errorhandler(redis.exceptions.TimeoutError)
+    def redis_down(exc: redis.exceptions.RedisError) -> tuple[str, int]:
         log.warning("Redis unreachable: %s", exc)
         # Reloads itself too, so that a page left open comes back with Redis.
         return render_template_string(UNREACHABLE, refresh_seconds=refresh_seconds, error=str(exc),
@@ -59,18 +92,14 @@ def create_app(settings: Settings, refresh_seconds: int = REFRESH_SECONDS) -> Fl
     return app
 
 
-def _no_store(response: Response) -> Response:
-    response.headers["Cache-Control"] = "no-store"  # always the live state, never a cached page
-    return response
-
-
 def serve(app: Flask, host: str, port: int) -> None:
     """Serve ``app`` on ``host:port`` (0: a free port) with one thread per request until interrupted.
 
     Prints the URL once listening, so that whoever started it (a script, a test) can read the port.
     """
     server = make_server(host, port, app, threaded=True)
-    click.echo(f"ortq dashboard on http://{host}:{server.server_port}/ (rq-dashboard at {RQ_PREFIX}/)")
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"ortq dashboard on http://{shown}:{server.server_port}/ (rq-dashboard at {RQ_PREFIX}/)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -5,20 +5,26 @@ from __future__ import annotations
 import click
 
 from ortq.cliopts import redis_url_option
+from ortq.errors import ConfigurationError
 from ortq.settings import Settings
+
+AUTH_ENV = "ORTQ_DASHBOARD_AUTH"  # ortq.dashboard.guard.AUTH_ENV (not imported: Flask may be missing)
 
 
 @click.command(
-    epilog="""Examples:
+    epilog=f"""Examples:
 
 \b
   ortq dashboard
   ortq dashboard --port 8080 --redis-url redis://redis-host:6379/0
+  {AUTH_ENV}=ops:long-random-password ortq dashboard --host 0.0.0.0
+  ortq dashboard --host 0.0.0.0 --allowed-host gpu-box --allowed-host gpu-box.lan
   ortq dashboard --host 0.0.0.0 --port 0        # any free port; the URL is printed
   curl http://127.0.0.1:9181/api/info           # the page's data as JSON (same as `ortq info --json`)
 
-It has no login: keep --host on 127.0.0.1 (the default) or put it behind a proxy that checks
-who is asking, since rq-dashboard's pages at /rq/ can delete and requeue jobs.
+Its pages can delete and requeue jobs. Every value read from Redis is escaped; actions need a
+POST from the dashboard's own page with its CSRF token. Anyone who can reach the port can use
+it unless --auth is set (HTTP Basic: put it behind TLS, e.g. a reverse proxy, off a trusted LAN).
 """
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -29,8 +35,24 @@ who is asking, since rq-dashboard's pages at /rq/ can delete and requeue jobs.
     show_default=True,
     help="Port to listen on; 0: any free port.",
 )
+@click.option(
+    "--auth",
+    envvar=AUTH_ENV,
+    metavar="USER:PASSWORD",
+    default=None,
+    help=f"Require this login (HTTP Basic) for every page (default: ${AUTH_ENV}; prefer the variable: "
+    "a flag shows in the process list).",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name or address the dashboard is reached by; requests naming another Host are refused "
+    "(DNS rebinding). Repeatable. Listening on 127.0.0.1 allows only localhost names.",
+)
 @redis_url_option()
-def dashboard(host: str, port: int, redis_url: str | None) -> None:
+def dashboard(host: str, port: int, auth: str | None, allowed_hosts: tuple[str, ...], redis_url: str | None) -> None:
     """Serve the web dashboard: ortq's models, workers and queues at /, rq-dashboard at /rq/.
 
     Nothing it reads from Redis is unpickled: rq-dashboard runs with ortq's msgpack serializer
@@ -38,6 +60,17 @@ def dashboard(host: str, port: int, redis_url: str | None) -> None:
     """
     try:
         from ortq.dashboard.app import create_app, serve
+        from ortq.dashboard.guard import Access, is_loopback
     except ImportError as exc:
         raise click.UsageError(f'{exc}: install the dashboard extra, pip install "ortq[dashboard]"') from exc
-    serve(create_app(Settings.from_env(redis_url=redis_url)), host, port)
+    try:
+        access = Access.for_listener(host, auth, allowed_hosts)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--auth") from exc
+    if access.credentials is None and not is_loopback(host):
+        click.echo(
+            f"warning: listening on {host} without --auth: anyone who can reach this port can delete and requeue "
+            f"jobs (set {AUTH_ENV}=user:password)",
+            err=True,
+        )
+    serve(create_app(Settings.from_env(redis_url=redis_url), access), host, port)

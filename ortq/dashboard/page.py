@@ -3,43 +3,29 @@
 Everything comes from :func:`ortq.info.collect` plus each model's latest failures, read as
 plain strings from RQ's failed registry and result stream: nothing here deserializes a job.
 The page is server-rendered with no script and no external assets (the dashboard may run on a
-machine without internet access); it reloads itself every few seconds.
+machine without internet access); it reloads itself every few seconds. Whatever it shows from
+Redis, Jinja escapes; a record it cannot read is shown as such (``problem``), not a 500.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import zlib
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import redis
+from rq.job import Job
 from rq.registry import FailedJobRegistry
+from rq.results import Result
 
-from ortq import keys
+from ortq.dashboard.records import describe, exception_text, text
 from ortq.info import collect
-from ortq.settings import redacted_url
+from ortq.settings import REDIS_DOWN, redacted_url
 
 #: Failures listed per model, newest first.
 FAILURES_SHOWN = 10
 _REASON_CHARS = 300
 #: RQ worker states in which a worker that has published its ortq record takes jobs.
 READY_STATES = ("idle", "busy")
-#: RQ's result stream of a job (``rq.results.Result.get_key``, which is not annotated).
-_RESULTS_PREFIX = "rq:results:"
-
-
-def _text(raw: bytes | None) -> str:
-    """An RQ exception string as stored: base64 of zlib (result stream), zlib, or plain text."""
-    if not raw:
-        return ""
-    for decode in (lambda b: zlib.decompress(base64.b64decode(b, validate=True)), zlib.decompress):
-        try:
-            return decode(raw).decode(errors="replace")
-        except (binascii.Error, zlib.error, ValueError):
-            continue
-    return raw.decode(errors="replace")
 
 
 def _reason(exc_string: str) -> str:
@@ -53,33 +39,52 @@ def recent_failures(connection: redis.Redis, queue: str, limit: int = FAILURES_S
     """The latest failed jobs of ``queue``: id, when it ended and why, newest first."""
     registry_key = FailedJobRegistry(queue, connection=connection).key
     # Scores are expiry times (end + failure_ttl): the highest ended last when ttls are equal.
-    job_ids = [keys.as_text(i) for i in cast("list[bytes]", connection.zrevrange(registry_key, 0, limit - 1))]
+    job_ids = [text(i) or "" for i in cast("list[bytes]", connection.zrevrange(registry_key, 0, limit - 1))]
     with connection.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.hmget(keys.job_key(job_id), ["ended_at", "exc_info"])
-            pipe.xrevrange(_RESULTS_PREFIX + job_id, count=1)
-        replies = pipe.execute()
+            pipe.hmget(Job.key_for(job_id), ["ended_at", "exc_info"])
+            pipe.xrevrange(cast("str", Result.get_key(job_id)), count=1)  # type: ignore[no-untyped-call]
+        replies = pipe.execute(raise_on_error=False)  # a key of another type fails that job's line only
     failures = []
     for i, job_id in enumerate(job_ids):
-        (ended_at, exc_info), latest = replies[2 * i], replies[2 * i + 1]
-        exc_string = _text(latest[0][1].get(b"exc_string")) if latest else _text(exc_info)
-        failures.append(
-            {"job_id": job_id, "ended_at": keys.as_text(ended_at) if ended_at else None, "reason": _reason(exc_string)}
-        )
+        record, latest = replies[2 * i], replies[2 * i + 1]
+        if isinstance(record, Exception) or isinstance(latest, Exception):
+            wrong = record if isinstance(record, Exception) else latest
+            failures.append({"job_id": job_id, "ended_at": None, "reason": f"cannot be read: {describe(wrong)}"})
+            continue
+        ended_at, exc_info = record
+        exc_string = exception_text(latest[0][1].get(b"exc_string")) if latest else exception_text(exc_info)
+        failures.append({"job_id": job_id, "ended_at": text(ended_at), "reason": _reason(exc_string)})
     return failures
 
 
 def page_context(connection: redis.Redis, redis_url: str) -> dict[str, Any]:
-    """What :data:`TEMPLATE` renders."""
-    info = collect(connection)
-    for model in info["models"]:
-        model["recent_failures"] = recent_failures(connection, model["queue"]) if model["failed"] else []
-    return {
-        "models": info["models"],
+    """What :data:`TEMPLATE` renders. A record ortq cannot read fills ``problem`` instead of failing
+    the page: ``ortq info`` reads Redis as a whole, so one forged record hides the models."""
+    context: dict[str, Any] = {
+        "models": [],
+        "problem": None,
         "redis_url": redacted_url(redis_url),
         "now": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "ready_states": READY_STATES,
     }
+    try:
+        context["models"] = collect(connection)["models"]
+    except REDIS_DOWN:
+        raise
+    except Exception as exc:
+        context["problem"] = (
+            f"ortq's records in this Redis cannot be read ({describe(exc)}): something other than ortq wrote them"
+        )
+        return context
+    for model in context["models"]:
+        try:
+            model["recent_failures"] = recent_failures(connection, model["queue"]) if model["failed"] else []
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:
+            model["recent_failures"] = [{"job_id": "?", "ended_at": None, "reason": f"cannot be read: {describe(exc)}"}]
+    return context
 
 
 TEMPLATE = """<!DOCTYPE html>
@@ -116,14 +121,16 @@ code { font-size: .95em; }
 <a href="{{ rq_url }}">RQ queues, jobs, workers</a>
 <a href="{{ url_for('api_info') }}">JSON</a>
 </header>
-{% if not models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
+{% if problem %}<p id="problem" class="bad">{{ problem }}</p>
+{% elif not models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
 {% for m in models %}
 <section class="model" data-model="{{ m.model }}">
 <h2>model <code>{{ m.model }}</code> <span class="muted">queue {{ m.queue }}</span></h2>
 <dl class="counts">
 {% for field in ("queued", "started", "finished", "failed") %}
 <div><dd data-field="{{ field }}" class="{{ 'bad' if field == 'failed' and m[field] else '' }}">{{ m[field] }}</dd>
-<dt><a href="{{ rq_url }}0/view/jobs/{{ m.queue }}/{{ field }}/8/asc/1">{{ field }}</a></dt></div>
+<dt><a href="{{ url_for('rq_dashboard.jobs_overview', instance_number=0, queue_name=m.queue, registry_name=field,
+ per_page=8, order='asc', page=1) }}">{{ field }}</a></dt></div>
 {% endfor %}
 </dl>
 {% if m.signature %}
@@ -151,19 +158,21 @@ code { font-size: .95em; }
 <td data-field="host">{{ w.host }} / {{ w.pid }}</td>
 <td data-field="successful_jobs">{{ w.successful_jobs }}</td>
 <td data-field="failed_jobs">{{ w.failed_jobs }}</td>
-<td data-field="current_job">{% if w.current_job %}<a href="{{ rq_url }}0/view/job/{{ w.current_job }}">{{
+<td data-field="current_job">{% if w.current_job %}<a href="{{ job_url(w.current_job) }}">{{
  w.current_job }}</a>{% else %}-{% endif %}</td>
 </tr>
 {% endfor %}
 </table>
-{% else %}<p class="bad" data-field="no_workers">no workers: jobs wait in the queue</p>{% endif %}
+{% elif m.queued %}<p class="bad" data-field="no_workers">no workers: {{ m.queued }}
+{{- ' jobs wait' if m.queued != 1 else ' job waits' }} in the queue</p>
+{% else %}<p class="muted" data-field="no_workers">no workers</p>{% endif %}
 {% if m.recent_failures %}
 <h3>latest failures</h3>
 <table>
 <tr><th>job</th><th>ended</th><th>reason</th></tr>
 {% for f in m.recent_failures %}
 <tr class="failure" data-job="{{ f.job_id }}">
-<td class="nowrap"><a href="{{ rq_url }}0/view/job/{{ f.job_id }}">{{ f.job_id }}</a></td>
+<td class="nowrap"><a href="{{ job_url(f.job_id) }}">{{ f.job_id }}</a></td>
 <td class="nowrap">{{ (f.ended_at or "-")[:19] | replace("T", " ") }}</td>
 <td data-field="reason">{{ f.reason }}</td>
 </tr>

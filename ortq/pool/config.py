@@ -33,6 +33,7 @@ _FROM_KEY = {
     "ORTQ_THREADS": "threads",
     "ORTQ_MAX_BATCH": "max_batch",
     "ORTQ_MAX_WAIT_MS": "max_wait_ms",
+    "ORTQ_ROWS_INDEPENDENT": "rows_independent",
     "ORTQ_REDIS_URL": "redis_url in [pool]",
     "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
     "ORTQ_METRICS_HOST": "metrics_host in [pool]",
@@ -86,6 +87,7 @@ class ModelConfig:
     threads: int | None = None
     max_batch: int = 1
     max_wait_ms: float = 0.0
+    rows_independent: bool = False
     policy: str = "prefer-gpu"
     allow_cpu_fallback: bool = False
     skip_canary: bool = False
@@ -313,6 +315,7 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         threads=table.integer("threads", None, 1),
         max_batch=max_batch,
         max_wait_ms=max_wait_ms,
+        rows_independent=table.boolean("rows_independent", False),
         policy=policy,
         allow_cpu_fallback=table.boolean("allow_cpu_fallback", False),
         skip_canary=table.boolean("skip_canary", False),
@@ -325,6 +328,11 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         raise table.error("no [[model.workers]] tables: say how many workers, e.g. [[model.workers]] count = 1")
     if max_wait_ms > 0 and max_batch == 1:
         raise table.error("max_wait_ms only applies with max_batch > 1")
+    if max_batch > 1 and not model.rows_independent:
+        raise table.error(
+            "max_batch > 1 needs rows_independent = true: batching joins several jobs' rows into one run, "
+            "which is only safe when each output row depends on the same input row alone (docs/pool.md, 'Batching')"
+        )
     if policy != "prefer-gpu" and provider != "auto":
         raise table.error(f"policy applies to provider 'auto' only, not {provider!r}")
     return model

@@ -273,7 +273,8 @@ def build_slots(plan: Plan, redis_url: str, verbose: bool = False) -> list[Worke
         options = ["--model", str(m.path), "--name", m.name, "--provider", m.provider]
         options += ["--adapter", p.adapter_arg] if p.adapter_arg else []
         options += ["--threads", str(m.threads)] if m.threads else []
-        options += ["--max-batch", str(m.max_batch), "--max-wait-ms", f"{m.max_wait_ms:g}"] if m.max_batch > 1 else []
+        batching = ["--max-batch", str(m.max_batch), "--max-wait-ms", f"{m.max_wait_ms:g}", "--rows-independent"]
+        options += batching if m.max_batch > 1 else []
         options += ["--policy", m.policy] if m.provider == "auto" else []
         flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
         options += [flag for flag, on in flags.items() if on]

@@ -1,4 +1,5 @@
-"""The Redis commands that enqueue one ortq job, exactly as docs/wire-format.md lists them.
+"""The Redis commands that enqueue, wait for, and cancel ortq jobs, exactly as docs/wire-format.md
+lists them, with no I/O of their own: ``Producer`` and ``AsyncProducer`` send them.
 
 A producer writes RQ's job hash and queue entry itself (rather than through
 ``rq.Queue.enqueue``), so that what ortq sends is small, fixed and documented, and so that
@@ -8,32 +9,27 @@ the request frame goes in the same MULTI/EXEC as the job that points to it.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 from uuid import uuid4
 
-from rq.utils import utcformat
+import redis
 
-from ortq import keys
+from ortq import keys, wire
+from ortq.errors import CorruptRecord, InferenceFailed, JobNotFound, OrtqError, ResponseMismatch, WireFormatError
+from ortq.producer import faults, priority
+from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
+
+#: The longest ttl, job_timeout or retry interval a job hash holds: a year, the most a worker takes
+#: from one (``ortq.rqjob.MAX_SECONDS``; a test keeps the two equal).
+MAX_SECONDS = 365 * 24 * 3600
 
 #: Job priorities. High-priority jobs go ahead of every normal one in the model's one RQ queue
 #: (so RQ's registries and views stay whole), first come first served among themselves.
 PRIORITIES = ("normal", "high")
-
-# Insert a high-priority job into the queue after the last high-priority job still waiting, or at
-# its head when none is. One list keeps the worker's dequeue a single atomic BLMOVE; a list per
-# priority would need either a non-atomic multi-list pop or polling.
-# KEYS: queue, last-high key   ARGV: job id, last-high ttl
-ENQUEUE_HIGH = """
-local last = redis.call('GET', KEYS[2])
-local placed = -1
-if last then placed = redis.call('LINSERT', KEYS[1], 'AFTER', last, ARGV[1]) end
-if placed == -1 then redis.call('LPUSH', KEYS[1], ARGV[1]) end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,16 @@ class JobOptions:
     retries: int = 0  # how many times a run that fails (other than for bad input) is tried again
     retry_backoff: int = 0  # seconds before the first retry, doubling for each next one; 0: at once
     priority: str = "normal"  # one of PRIORITIES
+
+    @property
+    def wait_ttl(self) -> int:
+        """Seconds the job and its request frame wait for a worker at most."""
+        return self.request_ttl if self.ttl is None else min(self.request_ttl, self.ttl)
+
+
+def new_nonce() -> bytes:
+    """The random bytes a request carries and its response must echo (wire ``options.nonce``)."""
+    return os.urandom(16)
 
 
 def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
@@ -69,26 +75,188 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
     if options.job_timeout is not None:
         fields["timeout"] = options.job_timeout
     if options.retries:
-        # RQ's own retry fields: its failure handling requeues (or schedules) the job.
+        # RQ's own retry fields: the worker requeues (or schedules) the job as RQ would.
         fields["retries_left"] = options.retries
         if options.retry_backoff:
-            fields["retry_intervals"] = json.dumps([options.retry_backoff * 2**i for i in range(options.retries)])
+            intervals = [min(options.retry_backoff * 2**i, MAX_SECONDS) for i in range(options.retries)]
+            fields["retry_intervals"] = json.dumps(intervals)
     return fields
 
 
-def add_enqueue(pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str | None = None) -> str:
-    """Queue the commands that enqueue one job on ``pipe``; returns the job id."""
+def add_enqueue(
+    pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str | None = None, by_eval: bool = False
+) -> str:
+    """Queue the commands that enqueue one job on ``pipe`` (a MULTI); returns the job id.
+
+    The job hash always expires (``wait_ttl + failure_ttl``) until a worker starts the job, so
+    that a job nobody takes (a queue deleted, a model never served) leaves nothing behind; a
+    worker that finds it past its ttl still has failure_ttl to fail it with a reason.
+    ``by_eval``: a high-priority job goes in by EVAL instead of FCALL (a Redis without functions).
+    """
     job_id = job_id or str(uuid4())
-    request_ttl = options.request_ttl if options.ttl is None else min(options.request_ttl, options.ttl)
-    pipe.set(keys.request_key(job_id), frame, ex=request_ttl)
-    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, utcformat(datetime.now(UTC))))
-    if options.ttl is not None:
-        # The job's record outlives its ttl by failure_ttl, so that the worker that finds it too
-        # late can fail it with a reason (RequestExpired) instead of it silently vanishing.
-        pipe.expire(keys.job_key(job_id), options.ttl + options.failure_ttl)
+    wait = options.wait_ttl
+    pipe.set(keys.request_key(job_id), frame, ex=wait)
+    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, layout.utcformat(layout.utcnow())))
+    pipe.expire(keys.job_key(job_id), wait + options.failure_ttl)
     pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
-    if options.priority == "high":
-        pipe.eval(ENQUEUE_HIGH, 2, keys.queue_key(model), keys.last_high_key(model), job_id, request_ttl)
+    if options.priority == "high" and by_eval:
+        add_enqueue_high_by_eval(pipe, model, job_id, options)
+    elif options.priority == "high":
+        pipe.fcall(priority.FUNCTION, 2, keys.queue_key(model), keys.last_high_key(model), job_id, wait)
     else:
         pipe.rpush(keys.queue_key(model), job_id)
     return job_id
+
+
+#: Commands add_enqueue queues per job, and the index of the one that puts the job on its queue.
+COMMANDS_PER_JOB = 5
+QUEUE_COMMAND = 4
+#: RQ's queue registry (SADD) may fail without harm: the job is queued without it.
+OPTIONAL_COMMANDS = frozenset({3})
+
+
+def enqueue_errors(results: list[Any]) -> list[tuple[int, Exception]]:
+    """(job index, error) for every job whose enqueue commands failed in the EXEC replies."""
+    failed = []
+    for i, reply in enumerate(results):
+        if isinstance(reply, Exception) and i % COMMANDS_PER_JOB not in OPTIONAL_COMMANDS:
+            failed.append((i // COMMANDS_PER_JOB, reply))
+    return failed
+
+
+#: What a BrokerUnavailable of an enqueue adds: EXEC may have run before the connection dropped.
+MAYBE_ENQUEUED = "if the connection dropped during the write they may have been enqueued"
+
+
+def split_failures(results: list[Any], ids: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
+    """From the EXEC replies of an enqueue of ``ids``: the jobs whose high-priority FCALL alone failed,
+    for want of ortq's Redis function (enqueue them by EVAL instead, in this order), and (id, error)
+    for every other job that failed (delete what went in of them, then raise :func:`enqueue_failure`)."""
+    errors: dict[str, list[Exception]] = {}
+    for index, exc in enqueue_errors(results):
+        errors.setdefault(ids[index], []).append(exc)
+    by_eval = [job_id for job_id, found in errors.items() if all(is_missing_function(e) for e in found)]
+    broken = [
+        (job_id, next(e for e in found if not is_missing_function(e)))
+        for job_id, found in errors.items()
+        if job_id not in by_eval
+    ]
+    return by_eval, broken
+
+
+def enqueue_failure(model: str, broken: list[tuple[str, Exception]], total: int) -> OrtqError:
+    """The error for an enqueue some of whose jobs Redis refused (what went in of them was deleted)."""
+    exc = broken[0][1]
+    doing = f"could not enqueue {len(broken)} of {total} job(s) for {model!r} (nothing of them was left in Redis)"
+    if isinstance(exc, redis.RedisError) and not faults.is_wrong_type(exc):
+        return faults.failure(exc, doing)
+    return CorruptRecord(f"{doing}: {exc}; a key of this model's queue holds something ortq did not write")
+
+
+def is_refused_fcall(exc: Exception, options: JobOptions) -> bool:
+    """Redis refused a high-priority MULTI as a whole because it has no FCALL at all (before 7.0):
+    it discards the transaction (EXECABORT) when an unknown command is queued, so nothing of it
+    went in, and the same MULTI is sent again with EVAL in the FCALL's place."""
+    return options.priority == "high" and isinstance(exc, redis.ResponseError) and is_missing_function(exc)
+
+
+def is_missing_function(exc: Exception) -> bool:
+    """FCALL of ortq's function failed because this Redis lacks it (no worker loaded it yet,
+    or Redis < 7 has no functions at all)."""
+    text = str(exc).lower()
+    return "function not found" in text or "unknown command" in text
+
+
+def add_enqueue_high_by_eval(pipe: Any, model: str, job_id: str, options: JobOptions) -> None:
+    """The fallback of the FCALL: the same code by EVAL (needs the ACL's +eval)."""
+    pipe.eval(priority.script_source(), 2, keys.queue_key(model), keys.last_high_key(model), job_id, options.wait_ttl)
+
+
+def add_cancel(pipe: Any, job_id: str, model: str) -> None:
+    """What cancelling a job that was taken off its queue writes (after a successful LREM), as
+    RQ's ``Job.cancel``: status canceled, RQ's canceled registry; and its request frame deleted."""
+    pipe.delete(keys.request_key(job_id))
+    pipe.hset(keys.job_key(job_id), "status", "canceled")
+    pipe.zadd(layout.QueueKeys.of(keys.queue_name(model)).canceled, {job_id: int(layout.utcnow().timestamp())})
+
+
+def reply_streams(job_ids: Iterable[str]) -> dict[str, str]:
+    """XREAD's streams argument for waiting on these jobs' replies from the start."""
+    return {keys.reply_key(job_id): "0-0" for job_id in job_ids}
+
+
+def frames_in(reply: Any) -> dict[str, bytes | CorruptRecord]:
+    """Job id -> its response frame (or why there is none) in an XREAD reply: RESP2's
+    ``[(stream, entries)]`` or RESP3's ``{stream: entries}``."""
+    found: dict[str, bytes | CorruptRecord] = {}
+    prefix = keys.reply_key("")
+    for stream, entries in reply.items() if isinstance(reply, dict) else reply or []:
+        job_id = keys.as_text(stream)[len(prefix) :]
+        try:
+            found[job_id] = frame_of(entries, job_id)
+        except CorruptRecord as exc:
+            found[job_id] = exc
+    return found
+
+
+def read_refusal(exc: redis.RedisError) -> OrtqError | None:
+    """What an XREAD of reply streams that Redis refused means, or None when a key was of the wrong
+    type: then read each key alone (:func:`add_probe`) and :func:`wrong_reply` says which."""
+    if faults.is_wrong_type(exc):
+        return None
+    return faults.failure(exc, "could not read replies")
+
+
+def add_probe(pipe: Any, job_id: str) -> None:
+    """Read one job's reply stream without blocking: after a refused XREAD of many, to find the key
+    that is no stream (needs nothing but XREAD, which is all a producer may run on reply keys)."""
+    pipe.xread({keys.reply_key(job_id): "0-0"}, count=1)
+
+
+def wrong_reply(job_id: str, probe: Any) -> CorruptRecord | None:
+    """CorruptRecord when the :func:`add_probe` of the job's reply found no stream there."""
+    if not (isinstance(probe, redis.ResponseError) and faults.is_wrong_type(probe)):
+        return None
+    key = keys.reply_key(job_id)
+    return CorruptRecord(f"the reply key of job {job_id} ({key}) holds no stream: no ortq worker wrote it")
+
+
+def status_of(raw: bytes | str | None, job_id: str) -> str:
+    """A job's RQ status, from its hash's ``status`` field (HGET); JobNotFound when there is none."""
+    if raw is None:
+        raise JobNotFound(f"no job {job_id} in Redis (never enqueued, or its record expired)")
+    return keys.as_text(raw)
+
+
+def outputs_of(response: wire.Response, job_id: str) -> dict[str, Any]:
+    """A response's outputs; InferenceFailed when the worker failed the job."""
+    if response.error is not None:
+        raise InferenceFailed(job_id, response.error.type, response.error.message)
+    return response.outputs
+
+
+def frame_of(entries: Any, job_id: str) -> bytes:
+    """The response frame in one stream's XREAD entries ``[(id, {field: value})]``."""
+    try:
+        frame = entries[0][1][b"frame"]
+    except (IndexError, KeyError, TypeError) as exc:
+        raise CorruptRecord(f"the reply of job {job_id} ({keys.reply_key(job_id)}) has no frame") from exc
+    if not isinstance(frame, bytes):
+        raise CorruptRecord(f"the reply of job {job_id} is not a byte string")
+    return frame
+
+
+def read_response(frame: bytes, job_id: str, nonce: bytes | None, max_bytes: int) -> wire.Response:
+    """Decode a response frame and check that it answers the request that carried ``nonce``."""
+    try:
+        response = wire.decode_response(frame, max_bytes=max_bytes)
+    except WireFormatError as exc:
+        raise CorruptRecord(f"the reply of job {job_id} is no valid response frame: {exc}") from exc
+    if nonce is not None and response.nonce != nonce and (response.ok or response.nonce is not None):
+        # An error about an unreadable request carries no nonce (the worker could not read it): it is
+        # still this job's answer. Outputs (or another request's error) without ours are not.
+        raise ResponseMismatch(
+            f"the response to job {job_id} does not carry this request's nonce: its request frame was "
+            "replaced or its reply forged by someone with write access to Redis (docs/security.md)"
+        )
+    return response

@@ -1,11 +1,12 @@
 """``ortq.Producer``: push named numpy tensors to a model's queue and get the outputs back.
 
-A producer needs numpy, msgpack and redis only; it never imports ONNX Runtime.
+A producer needs numpy, msgpack and redis only; it never imports ONNX Runtime. What it checks and
+sends is shared with ``ortq.AsyncProducer`` (``checks``, ``enqueue``, ``faults``); this class does
+the blocking I/O.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -14,68 +15,27 @@ import numpy as np
 import redis
 
 from ortq import keys, wire
-from ortq.control import live_workers
-from ortq.errors import (
-    BrokerUnavailable,
-    ConfigurationError,
-    InferenceFailed,
-    JobNotFound,
-    OrtqError,
-    PayloadTooLarge,
-    QueueFull,
-    ResultTimeout,
-)
-from ortq.producer.enqueue import PRIORITIES, JobOptions, add_enqueue
-from ortq.rqjob import OrtqJob
-from ortq.serializer import MsgpackSerializer
-from ortq.settings import REDIS_DOWN, Settings, redacted_url
+from ortq.control import MAX_WORKERS
+from ortq.errors import BrokerUnavailable, OrtqError, ResultTimeout
+from ortq.producer import checks, enqueue, faults
+from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
-#: Seconds a fetched model signature is trusted before it is read again.
-_SIGNATURE_CACHE_SECONDS = 5.0
-
-
-def _is_down(exc: Exception) -> bool:
-    """Redis unreachable, as opposed to refusing this client (a login, a missing ACL permission)."""
-    return not isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError)
-
-
-def _unavailable(exc: Exception, message: str) -> BrokerUnavailable:
-    """The error to raise for ``exc`` caught as REDIS_DOWN; a refusal is re-raised as it is."""
-    if not _is_down(exc):
-        raise exc
-    return BrokerUnavailable(f"{message}: Redis unavailable ({exc})")
-
-
-class _Outage:
-    """A wait that rides out Redis restarting (replies are kept by Redis, so a result may still
-    come) until its deadline, then says whether it was Redis that was missing."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.last: Exception | None = None
-        self._delay = 0.05
-
-    def wait(self, exc: Exception) -> None:
-        if not _is_down(exc):
-            raise exc  # refused, not unreachable: waiting will not help
-        self.last = exc
-        time.sleep(max(0.0, min(self._delay, self.deadline - time.monotonic())))
-        self._delay = min(self._delay * 2, 1.0)
-
-    def error(self, message: str) -> OrtqError:
-        if self.last is None:
-            return ResultTimeout(message)
-        return _unavailable(self.last, message)
+#: Most reply streams one XREAD names (the rest are read by the next ones).
+_XREAD_STREAMS = 256
 
 
 class InferenceJob:
     """A submitted job: wait for its outputs with :meth:`result`, look at it with :meth:`status`."""
 
-    def __init__(self, producer: Producer, job_id: str, model: str) -> None:
+    def __init__(self, producer: Producer, job_id: str, model: str, nonce: bytes | None = None) -> None:
         self.producer = producer
         self.id = job_id
         self.model = model
+        #: The random bytes its request carried; its response must echo them (None: not checked,
+        #: for a handle on a job submitted elsewhere).
+        self.nonce = nonce
 
     def __repr__(self) -> str:
         return f"InferenceJob(id={self.id!r}, model={self.model!r})"
@@ -85,10 +45,13 @@ class InferenceJob:
 
         Raises JobNotFound when Redis has no record of it (never enqueued, or expired).
         """
-        raw = self.producer.connection.hget(keys.job_key(self.id), "status")
-        if raw is None:
-            raise JobNotFound(f"no job {self.id} in Redis (never enqueued, or its record expired)")
-        return keys.as_text(raw)
+        key = keys.job_key(self.id)
+        try:
+            raw = self.producer.connection.hget(key, "status")
+        except redis.RedisError as exc:
+            doing = f"could not read the status of job {self.id}"
+            raise faults.failure(exc, doing, f"the record of job {self.id} ({key}) is no job hash") from exc
+        return enqueue.status_of(cast(bytes | None, raw), self.id)
 
     def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
         """Block until the job's response arrives (at most ``timeout`` seconds) and return its outputs.
@@ -96,10 +59,7 @@ class InferenceJob:
         The arrays are read-only views onto the received frame (no copy); ``.copy()`` one to write to it.
         Raises InferenceFailed if the worker failed the job, ResultTimeout if nothing arrived in time.
         """
-        response = self.producer.wait_response(self.id, timeout)
-        if response.error is not None:
-            raise InferenceFailed(self.id, response.error.type, response.error.message)
-        return response.outputs
+        return enqueue.outputs_of(self.producer.wait_response(self.id, timeout, self.nonce), self.id)
 
     def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it; returns whether it was removed."""
@@ -107,7 +67,13 @@ class InferenceJob:
 
 
 class Producer:
-    """Submits jobs to ortq workers through Redis."""
+    """Submits jobs to ortq workers through Redis.
+
+    ``validate``: check inputs against the signature the model's workers published before
+    enqueueing (the worker checks again either way). ``allow_unknown_models``: enqueue for a model
+    no worker has published a signature for (fire-and-forget before any worker starts); by default
+    that raises UnknownModel and enqueues nothing, which is what a mistyped model name needs.
+    """
 
     def __init__(
         self,
@@ -116,15 +82,19 @@ class Producer:
         settings: Settings | None = None,
         connection: redis.Redis | None = None,
         validate: bool = True,
+        allow_unknown_models: bool = False,
     ) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
         try:
             # One PING: a refused login or certificate is a ConfigurationError here, at once.
             self.connection = connection or self.settings.connect()
-        except REDIS_DOWN as exc:
-            raise _unavailable(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
+        except redis.RedisError as exc:
+            raise faults.failure(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
         self.validate = validate
-        self._signatures: dict[str, tuple[float, ModelSignature | None]] = {}
+        self.allow_unknown_models = allow_unknown_models
+        self._signatures = checks.SignatureCache()
+        socket_timeout = self.connection.connection_pool.connection_kwargs.get("socket_timeout")
+        self._block = faults.block_seconds(self.settings, socket_timeout)
 
     def close(self) -> None:
         self.connection.close()
@@ -135,50 +105,64 @@ class Producer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ signatures
+    # ------------------------------------------------------------------ models
 
     def signature(self, model: str) -> ModelSignature | None:
         """The signature the model's workers published, or None if none has (yet)."""
-        cached = self._signatures.get(model)
-        if cached is not None and time.monotonic() - cached[0] < _SIGNATURE_CACHE_SECONDS:
-            return cached[1]
-        raw = self.connection.get(keys.signature_key(keys.check_model_name(model)))
-        signature = None if raw is None else ModelSignature.loads(raw)
-        self._signatures[model] = (time.monotonic(), signature)
+        cached = self._signatures.get(model, time.monotonic())
+        if cached is not None:
+            return cached
+        key = keys.signature_key(keys.check_model_name(model))
+        try:
+            raw = self.connection.get(key)
+        except redis.RedisError as exc:
+            doing = f"could not read the signature of {model!r}"
+            raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
+        signature = checks.parse_signature(cast(bytes | None, raw), model)
+        self._signatures.put(model, signature, time.monotonic())
         return signature
 
-    def _encode(self, model: str, inputs: Mapping[str, Any]) -> bytes:
-        arrays = {name: wire.as_wire_array(name, value) for name, value in inputs.items()}
-        if self.validate:
-            signature = self.signature(model)
-            # With no worker published yet there is nothing to check against; the worker checks again.
-            if signature is not None:
-                signature.check_inputs(arrays)
-        frame = wire.encode_request(arrays)
-        if len(frame) > self.settings.max_frame_bytes:
-            raise PayloadTooLarge(
-                f"the request is {len(frame)} bytes, over max_frame_bytes ({self.settings.max_frame_bytes}): "
-                "workers would refuse it"
-            )
-        return frame
+    def _checked_model(self, model: str) -> ModelSignature | None:
+        """The signature to check inputs against (None: none to check); UnknownModel when the model
+        has none and unknown models are not allowed."""
+        keys.check_model_name(model)
+        if self.allow_unknown_models and not self.validate:
+            return None
+        signature = self.signature(model)
+        if signature is None and not self.allow_unknown_models:
+            raise checks.unknown_model(model, self._live_records())
+        return signature if self.validate else None
 
-    def _options(
-        self, ttl: int | None, job_timeout: int | None, retries: int, retry_backoff: int, priority: str
-    ) -> JobOptions:
-        if retries < 0 or retry_backoff < 0:
-            raise ConfigurationError(f"retries and retry_backoff must be >= 0, got {retries}, {retry_backoff}")
-        if priority not in PRIORITIES:
-            raise ConfigurationError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
-        return JobOptions(
-            request_ttl=self.settings.request_ttl,
-            result_ttl=self.settings.result_ttl,
-            failure_ttl=self.settings.failure_ttl,
-            ttl=ttl,
-            job_timeout=job_timeout,
-            retries=retries,
-            retry_backoff=retry_backoff,
-            priority=priority,
-        )
+    def _live_records(self) -> list[dict[str, Any]]:
+        """Every live worker's record (hostile input: what cannot be read is skipped)."""
+        try:
+            raw_names = self.connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
+            names = checks.worker_names(raw_names or [])
+            raws = self.connection.mget([keys.worker_key(n) for n in names]) if names else []
+        except redis.RedisError as exc:
+            if faults.is_wrong_type(exc):  # not written by ortq: no worker to be found there
+                return []
+            raise faults.failure(exc, "could not read the worker records") from exc
+        return checks.live_records(raws)
+
+    def workers(self, model: str) -> list[dict[str, Any]]:
+        """The published records of the live workers serving ``model``."""
+        return [record for record in self._live_records() if record.get("model") == model]
+
+    def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
+        deadline = time.monotonic() + checks.wait_timeout(timeout)
+        while True:
+            found = self.workers(model)
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise ResultTimeout(f"{len(found)} of {count} workers for model {model!r} after {timeout:g} s")
+            time.sleep(0.1)  # start-up only; results are waited for by blocking reads
+
+    def job(self, job_id: str, model: str) -> InferenceJob:
+        """A handle on a job submitted earlier (by any producer)."""
+        return InferenceJob(self, job_id, keys.check_model_name(model))
 
     # ------------------------------------------------------------------ submitting
 
@@ -187,10 +171,10 @@ class Producer:
         model: str,
         inputs: Mapping[str, Any],
         *,
-        ttl: int | None = None,
-        job_timeout: int | None = None,
+        ttl: float | None = None,
+        job_timeout: float | None = None,
         retries: int = 0,
-        retry_backoff: int = 0,
+        retry_backoff: float = 0,
         priority: str = "normal",
     ) -> InferenceJob:
         """Validate and enqueue one job; returns at once with a handle to wait on.
@@ -200,6 +184,8 @@ class Producer:
         ``retries``: times a failed run is tried again (never for bad input, timeouts or expiry),
         ``retry_backoff`` seconds after the first failure, doubling each time (0: at once).
         ``priority``: "high" jobs run before every "normal" one, in the order they were submitted.
+        Seconds are whole: a fraction is rounded up; ttl and job_timeout are at least 1 s and every
+        duration at most a year. A bad option raises ConfigurationError before anything is enqueued.
         """
         return self.submit_many(
             model,
@@ -216,38 +202,70 @@ class Producer:
         model: str,
         many_inputs: Iterable[Mapping[str, Any]],
         *,
-        ttl: int | None = None,
-        job_timeout: int | None = None,
+        ttl: float | None = None,
+        job_timeout: float | None = None,
         retries: int = 0,
-        retry_backoff: int = 0,
+        retry_backoff: float = 0,
         priority: str = "normal",
     ) -> list[InferenceJob]:
-        """Validate every job first, then enqueue them all in one MULTI/EXEC round trip."""
-        keys.check_model_name(model)
-        frames = [self._encode(model, inputs) for inputs in many_inputs]
-        limit = self.settings.max_queue_length
-        if limit:
+        """Validate every job first (options, model, inputs, queue room), then enqueue them all in
+        one MULTI/EXEC round trip; see :meth:`submit` for the options."""
+        options = checks.job_options(
+            self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
+            priority=priority,
+        )  # fmt: skip
+        signature = self._checked_model(model)
+        many = list(many_inputs)
+        nonces = [enqueue.new_nonce() for _ in many]
+        size = self.settings.max_frame_bytes
+        frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
+        if not frames:
+            return []
+        if self.settings.max_queue_length:
             # Checked before the MULTI: several producers at once can overshoot by their batches.
             try:
                 queued = self.connection.llen(keys.queue_key(model))
-            except REDIS_DOWN as exc:
-                raise _unavailable(exc, f"could not enqueue for {model!r}") from exc
-            if queued + len(frames) > limit:
-                raise QueueFull(
-                    f"queue {keys.queue_name(model)} holds {queued} jobs; {len(frames)} more would pass "
-                    f"max_queue_length ({limit})"
-                )
-        options = self._options(ttl, job_timeout, retries, retry_backoff, priority)
+            except redis.RedisError as exc:
+                wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+                raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
+            checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
+        try:
+            ids = self._enqueue(model, frames, options)
+        except redis.RedisError as exc:
+            error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
+            if isinstance(error, BrokerUnavailable):
+                error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
+            raise error from exc
+        return [InferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
+
+    def _enqueue(self, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
+        """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
+        instead; any other job Redis refused is removed again (its request and hash) and reported,
+        so that nothing is left half-enqueued."""
         try:
             with self.connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
-                pipe.execute()
-        except REDIS_DOWN as exc:
-            error = _unavailable(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
-            raise BrokerUnavailable(
-                f"{error}; if the connection dropped during the write they may have been enqueued"
-            ) from exc
-        return [InferenceJob(self, job_id, model) for job_id in ids]
+                results = pipe.execute(raise_on_error=False)
+        except redis.ResponseError as exc:
+            if not enqueue.is_refused_fcall(exc, options):
+                raise
+            with self.connection.pipeline(transaction=True) as pipe:
+                ids = [add_enqueue(pipe, model, frame, options, by_eval=True) for frame in frames]
+                results = pipe.execute(raise_on_error=False)
+        by_eval, broken = enqueue.split_failures(results, ids)
+        if by_eval:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for job_id in by_eval:
+                    enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
+                again = pipe.execute(raise_on_error=False)
+            broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
+        if broken:
+            with self.connection.pipeline(transaction=True) as pipe:
+                for job_id, _ in broken:
+                    pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
+                pipe.execute(raise_on_error=False)
+            raise enqueue.enqueue_failure(model, broken, len(ids))
+        return ids
 
     def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
         """Submit one job and wait for its outputs.
@@ -255,6 +273,7 @@ class Producer:
         On ResultTimeout the job is taken off the queue if no worker has started it, so that no
         worker spends time on an answer nobody waits for.
         """
+        checks.wait_timeout(timeout)
         job = self.submit(model, inputs)
         try:
             return job.result(timeout)
@@ -262,82 +281,68 @@ class Producer:
             job.cancel()
             raise
 
-    def workers(self, model: str) -> list[dict[str, Any]]:
-        """The published records of the live workers serving ``model``."""
-        return [record for record in live_workers(self.connection) if record.get("model") == model]
-
-    def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
-        """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.workers(model)
-            if len(found) >= count:
-                return found
-            if time.monotonic() > deadline:
-                raise ResultTimeout(f"{len(found)} of {count} workers for model {model!r} after {timeout:g} s")
-            time.sleep(0.1)  # start-up only; results are waited for by blocking reads
-
-    def job(self, job_id: str, model: str) -> InferenceJob:
-        """A handle on a job submitted earlier (by any producer)."""
-        return InferenceJob(self, job_id, keys.check_model_name(model))
-
     # ------------------------------------------------------------------ waiting
 
-    def wait_response(self, job_id: str, timeout: float) -> wire.Response:
-        """Block on the job's reply list; the response stays there for other readers until it expires."""
-        key = keys.reply_key(job_id)
-        outage = _Outage(time.monotonic() + timeout)
-        while True:
-            remaining = outage.deadline - time.monotonic()
-            if remaining <= 0:
-                raise outage.error(f"no result for job {job_id} within {timeout:g} s")
-            # BLMOVE from a list onto itself returns its one element without removing it.
-            # Slices stay under the socket timeout, which would otherwise cut a long block short.
-            block = min(remaining, self.settings.block_slice)
-            try:
-                # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
-                frame = self.connection.blmove(key, key, block, "RIGHT", "LEFT")  # type: ignore[arg-type]
-            except REDIS_DOWN as exc:
-                outage.wait(exc)
-                continue
-            if frame is not None:
-                return wire.decode_response(cast(bytes, frame), max_bytes=self.settings.max_frame_bytes)
+    def wait_response(self, job_id: str, timeout: float, nonce: bytes | None = None) -> wire.Response:
+        """Wait for the job's response (its reply stream, read with XREAD, which leaves it for
+        other readers until it expires); with ``nonce``, check that it answers that request."""
+        return self._wait([job_id], timeout, [nonce], f"no result for job {job_id} within {timeout:g} s")[0]
 
-    def wait_responses(self, job_ids: Sequence[str], timeout: float) -> list[wire.Response]:
-        """The responses of many jobs, in order: one pipelined read fetches every response that
-        is there, then one blocking read waits for the oldest missing one, and so on."""
-        responses: list[wire.Response | None] = [None] * len(job_ids)
-        pending = list(range(len(job_ids)))
-        outage = _Outage(time.monotonic() + timeout)
+    def wait_responses(
+        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None = None
+    ) -> list[wire.Response]:
+        """The responses of many jobs, in order: one XREAD returns every reply that is there, or
+        blocks until the first of them arrives, and so on until all are in."""
+        return self._wait(job_ids, timeout, nonces, None)
+
+    def _wait(
+        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None, late: str | None
+    ) -> list[wire.Response]:
+        nonce_of = dict(zip(job_ids, nonces if nonces is not None else [None] * len(job_ids), strict=True))
+        responses: dict[str, wire.Response] = {}
+        outage = faults.Outage()
+        deadline = time.monotonic() + checks.wait_timeout(timeout)
         while True:
-            try:
-                with self.connection.pipeline(transaction=False) as pipe:
-                    for i in pending:
-                        pipe.lindex(keys.reply_key(job_ids[i]), 0)
-                    frames = pipe.execute()
-            except REDIS_DOWN as exc:
-                outage.wait(exc)
-                if time.monotonic() >= outage.deadline:
-                    message = f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s"
-                    raise outage.error(message) from exc
-                continue
-            still = []
-            for i, frame in zip(pending, frames, strict=True):
-                if frame is None:
-                    still.append(i)
-                else:
-                    responses[i] = wire.decode_response(frame, max_bytes=self.settings.max_frame_bytes)
-            pending = still
+            pending = [job_id for job_id in nonce_of if job_id not in responses]
             if not pending:
-                return cast(list[wire.Response], responses)
-            remaining = outage.deadline - time.monotonic()
+                return [responses[job_id] for job_id in job_ids]
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise outage.error(f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
-            oldest = keys.reply_key(job_ids[pending[0]])
+                raise outage.error(late or f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
+            reading = pending[:_XREAD_STREAMS]
             try:
-                self.connection.blmove(oldest, oldest, min(remaining, self.settings.block_slice), "RIGHT", "LEFT")  # type: ignore[arg-type]
-            except REDIS_DOWN as exc:
-                outage.wait(exc)
+                # Blocks stay under the socket timeout, which would otherwise cut a long one short.
+                block_ms = max(1, int(min(remaining, self._block) * 1000))
+                reply = self.connection.xread(enqueue.reply_streams(reading), block=block_ms)  # type: ignore[arg-type]
+            except redis.RedisError as exc:
+                if faults.is_down(exc):
+                    time.sleep(max(0.0, min(outage.failed(exc, "could not read replies"), deadline - time.monotonic())))
+                    continue
+                raise self._unreadable_reply(reading, exc) from exc
+            outage.recovered()
+            for job_id, frame in enqueue.frames_in(reply).items():
+                if isinstance(frame, OrtqError):
+                    raise frame
+                max_bytes = self.settings.max_frame_bytes
+                responses[job_id] = enqueue.read_response(frame, job_id, nonce_of.get(job_id), max_bytes)
+
+    def _unreadable_reply(self, job_ids: Sequence[str], exc: redis.RedisError) -> OrtqError:
+        """XREAD refused: one of the reply keys is not a stream (written by someone else), or the
+        Redis user may not read them."""
+        refusal = enqueue.read_refusal(exc)
+        if refusal is not None:
+            return refusal
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    enqueue.add_probe(pipe, job_id)
+                probes = pipe.execute(raise_on_error=False)
+        except redis.RedisError as again:
+            return faults.failure(again, "could not read replies")
+        for job_id, probe in zip(job_ids, probes, strict=True):
+            if (wrong := enqueue.wrong_reply(job_id, probe)) is not None:
+                return wrong
+        return faults.failure(exc, "could not read replies")
 
     def results(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
         """The outputs of many jobs, in order, waited for together (see wait_responses).
@@ -345,18 +350,18 @@ class Producer:
         Raises InferenceFailed for the first job (in order) that failed, ResultTimeout if some had
         no result in time.
         """
-        responses = self.wait_responses([job.id for job in jobs], timeout)
-        for job, response in zip(jobs, responses, strict=True):
-            if response.error is not None:
-                raise InferenceFailed(job.id, response.error.type, response.error.message)
-        return [response.outputs for response in responses]
+        responses = self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs])
+        return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
 
     def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job (see InferenceJob.cancel)."""
-        if not self.connection.lrem(keys.queue_key(model), 0, job_id):
-            return False
-        self.connection.delete(keys.request_key(job_id))
-        # The record may already have expired; the job is off the queue either way.
-        with contextlib.suppress(Exception):
-            OrtqJob.fetch(job_id, connection=self.connection, serializer=MsgpackSerializer).cancel()
+        try:
+            if not self.connection.lrem(keys.queue_key(model), 0, job_id):
+                return False
+            with self.connection.pipeline(transaction=True) as pipe:
+                enqueue.add_cancel(pipe, job_id, model)
+                pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
+        except redis.RedisError as exc:
+            wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+            raise faults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
         return True

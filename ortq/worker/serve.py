@@ -11,9 +11,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from ortq import keys
-from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, AdapterNotFound, ConfigurationError
-from ortq.metrics import WorkerMetrics
+from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
+from ortq.metrics import WorkerMetrics, open_metrics_port
 from ortq.settings import Settings
 from ortq.worker.adapters import (
     PREFERENCES,
@@ -21,8 +23,9 @@ from ortq.worker.adapters import (
     select_adapter,
     unenumerated_dml_options,
 )
-from ortq.worker.base import WorkerIdentity
 from ortq.worker.batch import check_batchable
+from ortq.worker.identity import WorkerIdentity
+from ortq.worker.loop import Worker
 from ortq.worker.session import (
     AUTO_POLICIES,
     EXECUTION_PROVIDERS,
@@ -30,9 +33,9 @@ from ortq.worker.session import (
     SessionPlan,
     canary,
     load_model,
+    platform_refusal,
     warm_up,
 )
-from ortq.worker.worker import OrtqWorker
 
 log = logging.getLogger("ortq.worker")
 
@@ -58,6 +61,9 @@ class WorkerConfig:
     #: for more to arrive after the first. 1 = off.
     max_batch: int = 1
     max_wait_ms: float = 0.0
+    #: The declaration batching needs: the model computes each row of its outputs from the same
+    #: row of its inputs only, so that jobs sharing a run cannot read or change each other's rows.
+    rows_independent: bool = False
     #: Prometheus /metrics and /ready on this port (0: off), bound to metrics_host.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -84,6 +90,13 @@ class WorkerConfig:
             )
         if self.max_wait_ms > 0 and self.max_batch == 1:
             raise ConfigurationError("--max-wait-ms only applies with --max-batch > 1")
+        if self.max_batch > 1 and not self.rows_independent:
+            raise ConfigurationError(
+                "--max-batch joins the rows of several jobs into one run: that is only safe for a model whose "
+                "output rows each depend on the same input row alone (not for one that mixes rows, e.g. "
+                "x - mean(x, axis=0), or gathers rows by an index the job supplies); if each output row of this "
+                "model depends only on the same input row, say so with --rows-independent (docs/pool.md, 'Batching')"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigurationError(f"threads must be >= 1, got {self.threads}")
 
@@ -110,11 +123,14 @@ def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | No
     if spec.isdigit():
         log.warning("%s: using adapter index %s unverified", why, spec)
         return replace(base, device_id=int(spec)), {"spec": spec, "index": int(spec)}
+    refusal = platform_refusal(config.provider)
+    if refusal is not None:  # the real reason: this provider cannot run on this OS at all
+        raise ProviderUnavailable(refusal)
     hint = " (or one of: " + ", ".join(PREFERENCES) + ")" if config.provider == "dml" else ""
     raise AdapterNotFound(f"cannot resolve --adapter {spec!r}: {why}; use an index{hint}")
 
 
-def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
+def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
     """Create the session, warm it up, check it against the CPU, and return a worker ready to ``work()``."""
     # CUDA's default order is fastest-first; NVML's (and so `ortq adapters`') is PCI bus order.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -150,13 +166,14 @@ def build_worker(config: WorkerConfig, settings: Settings) -> OrtqWorker:
         },
     )
     name = config.worker_name or config.default_worker_name()
-    return OrtqWorker(
+    return Worker(
         model,
         identity,
         settings,
         name,
         max_batch=config.max_batch,
         max_wait_ms=config.max_wait_ms,
+        burst=config.burst,
         device_lost_pattern=config.device_lost_pattern,
     )
 
@@ -165,36 +182,43 @@ def serve(config: WorkerConfig, settings: Settings) -> int:
     """Run a worker until it is stopped (or, with ``burst``, until its queue is empty); returns
     the process's exit status: 0, EXIT_DEVICE_LOST when the GPU went away under it, EXIT_CRASHED
     when an unexpected error ended it."""
-    worker = build_worker(config, settings)
     server = None
-    if config.metrics_port:
-        worker.metrics = worker_metrics(worker)
-        server = worker.metrics.serve(config.metrics_host, config.metrics_port)
+    if config.metrics_port:  # opened first: /ready answers 503 while the model loads, a busy port fails at once
+        name = config.worker_name or config.default_worker_name()
+        server = open_metrics_port(config.metrics_host, config.metrics_port, model=config.model_name, worker=name)
         log.info("metrics on %s/metrics, readiness on %s/ready", server.url, server.url)
-    # RQ logs every dequeued job at INFO; ortq's own log says what matters, RQ's only when debugging.
-    rq_level = "DEBUG" if log.isEnabledFor(logging.DEBUG) else "WARNING"
     try:
-        worker.work(burst=config.burst, logging_level=rq_level)
+        worker = build_worker(config, settings)
+        if server is not None:
+            worker.metrics = worker_metrics(worker)
+            server.attach(worker.metrics)
+        return worker.serve()
     finally:
         if server is not None:
             server.close()
-    if worker.device_lost is not None:
-        return EXIT_DEVICE_LOST
-    return EXIT_CRASHED if worker.crashed is not None else 0
 
 
-def worker_metrics(worker: OrtqWorker) -> WorkerMetrics:
+def worker_metrics(worker: Worker) -> WorkerMetrics:
     """The worker's Prometheus metrics, labelled with what it runs on."""
     identity = worker.identity
     adapter = identity.extra.get("adapter") or {}
     label = (
         "cpu" if identity.provider == "CPUExecutionProvider" else str(adapter.get("name") or adapter.get("spec") or 0)
     )
-    queue_key = keys.queue_key(identity.model)
+    queue = worker.book.queue.queue
     return WorkerMetrics(
         identity.model,
         label,
         identity.provider,
         worker.name,
-        queue_depth=lambda: int(worker.connection.llen(queue_key)),
+        queue_depth=lambda: _queue_depth(worker.connection, queue),
     )
+
+
+def _queue_depth(connection: redis.Redis, queue: str) -> int:
+    """LLEN of the queue, 0 when it cannot be read (a key of the wrong type, Redis down): a
+    scrape must not fail for it."""
+    try:
+        return int(connection.llen(queue))
+    except redis.RedisError:
+        return 0

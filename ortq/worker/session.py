@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 
 from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
-from ortq.worker.runtime import DISTRIBUTION_FOR_PROVIDER, import_onnxruntime
+from ortq.worker.runtime import DISTRIBUTION_FOR_PROVIDER, import_onnxruntime, installed_runtimes
 
 log = logging.getLogger("ortq.worker")
 
@@ -172,18 +173,57 @@ def warmup_inputs(signature: ModelSignature, seed: int = 0) -> dict[str, np.ndar
     return inputs
 
 
+def platform_refusal(provider: str, system: str | None = None) -> str | None:
+    """Why ``provider`` cannot run on this operating system (``platform.system()``: "Windows",
+    "Linux", "Darwin") at all, and what to use there instead; None where it can run."""
+    system = system or platform.system()
+    os_name = {"Darwin": "macOS"}.get(system, system)
+    if provider == "dml" and system != "Windows":
+        instead = (
+            "--provider cuda for an NVIDIA GPU (pip install 'ortq[cuda]'), else --provider cpu"
+            if system == "Linux"
+            else "--provider cpu"
+        )
+        return f"DirectML (--provider dml) is Windows-only: onnxruntime-directml has no {os_name} build. Use {instead}"
+    if provider == "cuda" and system not in ("Windows", "Linux"):
+        return (
+            f"CUDA (--provider cuda) does not run on {os_name}: NVIDIA's CUDA and onnxruntime-gpu exist only for "
+            "Linux and Windows. Use --provider cpu"
+        )
+    return None
+
+
+def install_advice(provider: str, system: str | None = None, installed: list[str] | None = None) -> str:
+    """How to get the ONNX Runtime build ``provider`` needs on this operating system, given the
+    distributions ``installed`` (only one may be: they share the ``onnxruntime`` package)."""
+    system = system or platform.system()
+    refusal = platform_refusal(provider, system)
+    if refusal is not None:
+        return refusal
+    installed = [name for name, _ in installed_runtimes()] if installed is None else installed
+    package = DISTRIBUTION_FOR_PROVIDER[provider]
+    if provider == "cuda" and system == "Linux":
+        get = "pip install 'ortq[cuda]'"
+    elif provider == "cuda":  # Windows: ortq[cuda] is Linux-only, onnxruntime-gpu is not
+        get = "pip install onnxruntime-gpu nvidia-ml-py"
+    else:
+        get = f"pip install {package}"
+    others = [name for name in installed if name != package]
+    swap = f"pip uninstall -y {' '.join(others)} && {get}" if others else get
+    advice = f"--provider {provider} needs the {package} package ({swap})"
+    if provider == "cuda" and system == "Windows":
+        advice += "; or --provider dml (onnxruntime-directml), which runs on NVIDIA GPUs too"
+    return advice
+
+
 def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
     if plan.provider == "auto":
         devices = [f"{d.ep_name} ({d.device.type})" for d in ort.get_ep_devices()]
         return f"--provider auto (policy {plan.policy}) chose the CPU; ONNX Runtime sees these devices: {devices}"
     wanted = EXECUTION_PROVIDERS[plan.provider]
     available = ort.get_available_providers()
-    distribution = DISTRIBUTION_FOR_PROVIDER[plan.provider]
     if wanted not in available:
-        return (
-            f"{wanted} is not in this ONNX Runtime build (it offers {available}); "
-            f"--provider {plan.provider} needs the {distribution} package"
-        )
+        return f"{wanted} is not in this ONNX Runtime build (it offers {available}); {install_advice(plan.provider)}"
     if plan.provider == "cuda":
         return (
             f"{wanted} is installed but could not start: check the NVIDIA driver, "
@@ -223,6 +263,14 @@ def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
 
 def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
     """Create the session for ``plan`` and verify it really runs on the requested provider."""
+    refusal = platform_refusal(plan.provider)
+    if refusal is not None:  # before the runtime checks, whose advice would be to install it
+        if not plan.allow_cpu_fallback:
+            raise ProviderUnavailable(refusal)
+        log.warning("%s; running on the CPU because --allow-cpu-fallback was given", refusal)
+        model = load_model(model_path, plan.cpu())
+        model.fell_back_to_cpu = True
+        return model
     ort = import_onnxruntime("cpu" if plan.provider == "auto" else plan.provider)
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")

@@ -1,0 +1,385 @@
+// A small ortq producer for Node.js, written from docs/wire-format.md alone (protocol v2):
+// submit jobs with plain Redis commands, wait for their replies, check each reply's nonce.
+//
+//   const client = new Client('redis://127.0.0.1:6379/0');
+//   const id = await client.submit('tiny', { x: { dtype: 'float32', shape: [1, 4], data: new Float32Array(4) } });
+//   const outputs = await client.result(id, 30000);   // {y: {dtype, shape, data: Float32Array}}
+//   await client.close();
+
+import { randomBytes, randomUUID } from 'node:crypto';
+import { encode } from '@msgpack/msgpack';
+import Redis, { ReplyError } from 'ioredis';
+import { DEFAULT_DTYPES, DEFAULT_MAX_FRAME_BYTES, OrtqError, decodeResponse, encodeRequest } from './frame.mjs';
+
+export { DTYPES, OrtqError, decodeResponse, encodeRequest } from './frame.mjs';
+
+const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
+const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
+const JOB_FUNC = 'ortq.rqjob.infer';
+const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
+/** Most reply streams one XREAD names. */
+const XREAD_STREAMS = 256;
+
+/** The EVAL fallback of FCALL ortq_enqueue_high_v2 (docs/wire-format.md section 3.5). */
+export const ENQUEUE_HIGH_SCRIPT = `local keys, args = KEYS, ARGV
+-- Insert a high-priority job into its model's queue after the newest high-priority job still
+-- waiting, or at the head when there is none: high-priority jobs run before every normal one and
+-- first come first served among themselves, and the worker keeps one atomic BLMOVE on one list.
+-- keys: 1 the queue, 2 the model's last-high key   args: 1 job id, 2 seconds the last-high key lives
+-- A last-high key of the wrong type (not written by ortq) is ignored and overwritten (SET replaces
+-- any type); a queue key of the wrong type is an error reply, as an RPUSH would give (the producer
+-- then removes the rest of the job again, and workers replace that key), never a Lua error.
+local queue, last_key = keys[1], keys[2]
+local id, ttl = args[1], args[2]
+local queue_type = redis.call('TYPE', queue)['ok']
+if queue_type ~= 'list' and queue_type ~= 'none' then
+  return redis.error_reply('WRONGTYPE the queue key ' .. queue .. ' holds a ' .. queue_type .. ', not a list')
+end
+local last = false
+if redis.call('TYPE', last_key)['ok'] == 'string' and redis.call('STRLEN', last_key) <= 128 then
+  last = redis.call('GET', last_key)
+end
+local placed = -1
+if last then placed = redis.call('LINSERT', queue, 'AFTER', last, id) end
+-- -1: the last high-priority job is no longer waiting; 0: the queue is empty (no list at all)
+if placed <= 0 then redis.call('LPUSH', queue, id) end
+redis.call('SET', last_key, id, 'EX', ttl)
+return 1
+`;
+
+/** An OrtqError for a failed Redis call: CorruptRecord for a key of the wrong type (with
+ * `wrongType` saying which), BrokerUnavailable for the rest (unreachable, refused). */
+function redisFailure(err, doing, wrongType = 'a key holds something ortq did not write') {
+  if (err instanceof OrtqError) return err;
+  if (err instanceof ReplyError && /^WRONGTYPE/.test(err.message)) return new OrtqError('CorruptRecord', `${doing}: ${wrongType}: ${err.message}`);
+  return new OrtqError('BrokerUnavailable', `${doing}: ${err.message}`);
+}
+
+async function redisCall(doing, promise, wrongType) {
+  try {
+    return await promise;
+  } catch (err) {
+    throw redisFailure(err, doing, wrongType);
+  }
+}
+
+function positiveSeconds(name, value) {
+  if (value === undefined || value === null) return null;
+  if (!Number.isSafeInteger(value) || value <= 0) {
+    throw new OrtqError('ConfigurationError', `${name} must be a positive whole number of seconds, got ${value}`);
+  }
+  return value;
+}
+
+export function checkModelName(model) {
+  if (typeof model !== 'string' || !MODEL_NAME.test(model)) {
+    throw new OrtqError('ConfigurationError', `invalid model name ${JSON.stringify(model)}: use 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit`);
+  }
+  return model;
+}
+
+/** InvalidInput unless `inputs` are exactly the signature's inputs, each with its dtype, rank and
+ * fixed dims (section 5: a dim that is a string or null takes any size). */
+export function checkInputs(signature, inputs) {
+  const wanted = new Map((signature.inputs ?? []).map((spec) => [spec.name, spec]));
+  const given = Object.keys(inputs);
+  const missing = [...wanted.keys()].filter((name) => !given.includes(name));
+  const unknown = given.filter((name) => !wanted.has(name));
+  if (missing.length || unknown.length) {
+    throw new OrtqError('InvalidInput', `inputs do not match the model: missing [${missing}], unknown [${unknown}]`);
+  }
+  for (const [name, spec] of wanted) {
+    const tensor = inputs[name];
+    if (tensor === null || typeof tensor !== 'object') throw new OrtqError('InvalidInput', `input ${name} must be {dtype, shape, data}`);
+    const dtype = tensor.dtype ?? DEFAULT_DTYPES.get(tensor.data?.constructor);
+    const shape = tensor.shape ?? [tensor.data?.length];
+    if (dtype !== spec.dtype) throw new OrtqError('InvalidInput', `input ${name} has dtype ${dtype}, the model expects ${spec.dtype}`);
+    const dims = spec.shape ?? [];
+    if (shape.length !== dims.length || dims.some((d, i) => Number.isInteger(d) && d !== shape[i])) {
+      throw new OrtqError('InvalidInput', `input ${name} has shape [${shape}], the model expects [${dims.map((d) => d ?? '?')}]`);
+    }
+  }
+}
+
+export function checkJobId(jobId) {
+  if (typeof jobId !== 'string' || !JOB_ID.test(jobId)) {
+    throw new OrtqError('ConfigurationError', `invalid job id ${JSON.stringify(jobId)}: it must match [A-Za-z0-9_-]{1,128}`);
+  }
+  return jobId;
+}
+
+export class Client {
+  /**
+   * @param {string} redisUrl e.g. redis://127.0.0.1:6379/0
+   * @param {object} options retention (seconds) as ortq's Settings, maxQueueLength (0: no
+   *   limit), socketTimeoutMs (every command's timeout; blocking reads stay 1 s under it),
+   *   rqPrefix (RQ's key prefix, RQ 3's RQ_KEY_PREFIX), validate (check inputs against the
+   *   model's published signature), allowUnknownModels (enqueue for a model that has none).
+   */
+  constructor(redisUrl, {
+    requestTtl = 86400,
+    resultTtl = 600,
+    failureTtl = 86400,
+    maxFrameBytes = DEFAULT_MAX_FRAME_BYTES,
+    maxQueueLength = 0,
+    socketTimeoutMs = 10000,
+    rqPrefix = 'rq',
+    validate = true,
+    allowUnknownModels = false,
+  } = {}) {
+    Object.assign(this, { requestTtl, resultTtl, failureTtl, maxFrameBytes, maxQueueLength, socketTimeoutMs, rqPrefix, validate, allowUnknownModels });
+    const redisOptions = {
+      commandTimeout: socketTimeoutMs,
+      connectTimeout: socketTimeoutMs,
+      maxRetriesPerRequest: 1,
+      retryStrategy: (times) => (times > 5 ? null : Math.min(times * 200, 1000)),
+    };
+    this.redis = new Redis(redisUrl, redisOptions);
+    // Blocking reads get a connection of their own (section 4.2): a command queued behind an
+    // XREAD BLOCK on one connection would wait for it.
+    this.blocking = this.redis.duplicate();
+    // Connection trouble surfaces as the failed command's error; without listeners ioredis would
+    // also print every reconnection attempt.
+    for (const connection of [this.redis, this.blocking]) connection.on('error', () => {});
+    /** job id -> the nonce its request carried, until its result has been read. */
+    this.nonces = new Map();
+  }
+
+  async close() {
+    await Promise.allSettled([this.redis.quit(), this.blocking.quit()]);
+  }
+
+  queueKey(model) {
+    return `${this.rqPrefix}:queue:ortq:${model}`;
+  }
+
+  jobKey(jobId) {
+    return `${this.rqPrefix}:job:${jobId}`;
+  }
+
+  /** Enqueue one job; returns its id. See submitMany for the options. */
+  async submit(model, inputs, options = {}) {
+    const { jobId, ...rest } = options;
+    return (await this.submitMany(model, [inputs], { ...rest, jobIds: jobId === undefined ? undefined : [jobId] }))[0];
+  }
+
+  /**
+   * Enqueue many jobs for `model` in one MULTI/EXEC; returns their ids, in order.
+   * options: priority ('normal' | 'high'), ttl (s a job may wait for a worker), jobTimeout (s a
+   * run may take), jobIds (your own ids, checked against the id rule).
+   */
+  async submitMany(model, manyInputs, { priority = 'normal', ttl, jobTimeout, jobIds } = {}) {
+    checkModelName(model);
+    if (priority !== 'normal' && priority !== 'high') {
+      throw new OrtqError('ConfigurationError', `priority must be normal or high, got ${JSON.stringify(priority)}`);
+    }
+    ttl = positiveSeconds('ttl', ttl);
+    jobTimeout = positiveSeconds('jobTimeout', jobTimeout);
+    const ids = (jobIds ?? manyInputs.map(() => randomUUID())).map(checkJobId);
+    if (ids.length !== manyInputs.length) throw new OrtqError('ConfigurationError', 'one job id per job, please');
+    const signature = this.validate || !this.allowUnknownModels ? await this.signature(model) : null;
+    if (signature === null && !this.allowUnknownModels) {
+      throw new OrtqError('UnknownModel', `no worker has served model ${JSON.stringify(model)} (it has no published signature); nothing was enqueued`);
+    }
+    if (signature !== null && this.validate) for (const inputs of manyInputs) checkInputs(signature, inputs);
+    const jobs = manyInputs.map((inputs, i) => {
+      const nonce = randomBytes(16);
+      const frame = encodeRequest(inputs, { nonce });
+      if (frame.byteLength > this.maxFrameBytes) {
+        throw new OrtqError('PayloadTooLarge', `the request is ${frame.byteLength} bytes, over maxFrameBytes (${this.maxFrameBytes}): workers would refuse it`);
+      }
+      return { id: ids[i], nonce, frame };
+    });
+    if (this.maxQueueLength > 0) {
+      // Backpressure (section 3.1): checked before the transaction, so not atomic with it.
+      const queued = await redisCall(`could not enqueue for ${model}`, this.redis.llen(this.queueKey(model)));
+      if (queued + jobs.length > this.maxQueueLength) {
+        throw new OrtqError('QueueFull', `queue ortq:${model} holds ${queued} jobs; ${jobs.length} more would pass maxQueueLength (${this.maxQueueLength})`);
+      }
+    }
+    const wait = ttl === null ? this.requestTtl : Math.min(this.requestTtl, ttl);
+    const settings = { model, priority, ttl, jobTimeout, wait };
+    const doing = `could not enqueue ${jobs.length} job(s) for ${model} (if the connection dropped during the write they may have been enqueued)`;
+    let replies;
+    try {
+      replies = await this.#enqueue(jobs, settings, 'fcall');
+    } catch (err) {
+      // Redis 6.2 has no FCALL: refused as it is queued, the whole transaction was discarded.
+      const noFcall = /EXECABORT/.test(err.message) && /unknown command/i.test(String(err.previousErrors?.map((e) => e.message)));
+      if (!(priority === 'high' && noFcall)) throw redisFailure(err, doing);
+      replies = await redisCall(doing, this.#enqueue(jobs, settings, 'eval'));
+    }
+    await redisCall(doing, this.#settle(jobs, settings, replies));
+    for (const job of jobs) this.nonces.set(job.id, job.nonce);
+    return jobs.map((job) => job.id);
+  }
+
+  /** Section 3.2's five commands per job in one MULTI/EXEC; the [error, reply] of each command. */
+  #enqueue(jobs, { model, priority, ttl, jobTimeout, wait }, how) {
+    const now = new Date().toISOString(); // RQ's format: UTC, 3 fraction digits, Z
+    const queue = this.queueKey(model);
+    const multi = this.redis.multi();
+    for (const job of jobs) {
+      const fields = {
+        status: 'queued',
+        origin: `ortq:${model}`,
+        data: Buffer.from(encode([JOB_FUNC, null, [model], {}])),
+        description: `${JOB_FUNC}('${model}')`,
+        created_at: now,
+        enqueued_at: now,
+        result_ttl: String(this.resultTtl),
+        failure_ttl: String(this.failureTtl),
+      };
+      if (ttl !== null) fields.ttl = String(ttl);
+      if (jobTimeout !== null) fields.timeout = String(jobTimeout);
+      if (priority === 'high') fields.ortq_priority = 'high';
+      multi.set(`ortq:req:${job.id}`, job.frame, 'EX', wait);
+      multi.hset(this.jobKey(job.id), fields);
+      multi.expire(this.jobKey(job.id), wait + this.failureTtl);
+      multi.sadd(`${this.rqPrefix}:queues`, queue);
+      if (priority !== 'high') multi.rpush(queue, job.id);
+      else if (how === 'fcall') multi.call('FCALL', ENQUEUE_HIGH, 2, queue, `ortq:last-high:${model}`, job.id, wait);
+      else multi.eval(ENQUEUE_HIGH_SCRIPT, 2, queue, `ortq:last-high:${model}`, job.id, wait);
+    }
+    return multi.exec();
+  }
+
+  /** The model's published signature (section 5), or null when no worker has published one. */
+  async signature(model) {
+    const key = `ortq:signature:${checkModelName(model)}`;
+    const raw = await redisCall(`could not read the signature of ${model}`, this.redis.get(key));
+    if (raw === null) return null;
+    try {
+      const signature = JSON.parse(raw);
+      if (Array.isArray(signature.inputs)) return signature;
+    } catch {
+      // fall through: not ortq's JSON
+    }
+    throw new OrtqError('CorruptRecord', `the published signature of ${JSON.stringify(model)} cannot be read`);
+  }
+
+  /** Check every EXEC reply (section 3.2): queue by EVAL a job whose FCALL found no function;
+   * remove again, and report, a job any other required command of which failed. */
+  async #settle(jobs, settings, replies) {
+    const broken = [];
+    for (const [index, job] of jobs.entries()) {
+      const results = replies.slice(5 * index, 5 * index + 5);
+      const failed = results.findIndex(([err], i) => err && i !== 3); // 3: the optional SADD
+      if (failed === -1) continue;
+      const err = results[failed][0];
+      if (failed === 4 && settings.priority === 'high' && /function not found/i.test(err.message)) {
+        // No worker has loaded ortq's function yet: the same code by EVAL (section 3.5).
+        const queue = this.queueKey(settings.model);
+        try {
+          await this.redis.eval(ENQUEUE_HIGH_SCRIPT, 2, queue, `ortq:last-high:${settings.model}`, job.id, settings.wait);
+          continue;
+        } catch (again) {
+          if (!(again instanceof ReplyError)) throw again;
+          broken.push([job, again]);
+        }
+      } else {
+        broken.push([job, err]);
+      }
+    }
+    if (broken.length === 0) return;
+    const cleanup = this.redis.multi();
+    for (const [job] of broken) cleanup.del(`ortq:req:${job.id}`, this.jobKey(job.id));
+    await cleanup.exec();
+    const first = broken[0][1].message;
+    const message = `could not enqueue ${broken.length} of ${jobs.length} job(s) (nothing of them was left in Redis): ${first}`;
+    // NOPERM: the Redis user lacks a right (docs/security.md); anything else: a key holds what ortq did not write.
+    throw new OrtqError(/^NOPERM/.test(first) ? 'ConfigurationError' : 'CorruptRecord', message);
+  }
+
+  /**
+   * The outputs of job `jobId` ({name: {dtype, shape, data}}), waiting at most `timeoutMs`.
+   * Throws OrtqError: the worker's error type (remote: true) when the job failed,
+   * ResultTimeout, ResponseMismatch (the reply does not answer our request), CorruptRecord.
+   * `nonce` (a Buffer) checks a job submitted by another client; ours are remembered.
+   */
+  async result(jobId, timeoutMs = 30000, { nonce } = {}) {
+    const [response] = await this.waitResponses([jobId], timeoutMs, [nonce ?? this.nonces.get(jobId) ?? null]);
+    this.nonces.delete(jobId);
+    if (!response.ok) throw new OrtqError(response.error.type, response.error.message, { jobId, remote: true });
+    return response.outputs;
+  }
+
+  /** Submit one job and wait for its outputs; a job still queued when the wait ends is cancelled. */
+  async infer(model, inputs, timeoutMs = 30000, options = {}) {
+    const jobId = await this.submit(model, inputs, options);
+    try {
+      return await this.result(jobId, timeoutMs);
+    } catch (err) {
+      if (err.type === 'ResultTimeout') await this.cancel(jobId, model);
+      throw err;
+    }
+  }
+
+  /** The decoded responses of many jobs, in order, waited for together with XREAD (section 4.1). */
+  async waitResponses(jobIds, timeoutMs, nonces = []) {
+    const deadline = Date.now() + timeoutMs;
+    const responses = new Map();
+    for (;;) {
+      const missing = [...new Set(jobIds)].filter((id) => !responses.has(id));
+      if (missing.length === 0) return jobIds.map((id) => responses.get(id));
+      const left = deadline - Date.now();
+      if (left <= 0) {
+        throw new OrtqError('ResultTimeout', `no result for ${missing.length} of ${jobIds.length} job(s) within ${timeoutMs} ms`, { jobId: missing[0] });
+      }
+      const pending = missing.slice(0, XREAD_STREAMS);
+      // Each block stays under the command timeout (section 4.2).
+      const block = Math.max(1, Math.min(left, this.socketTimeoutMs - 1000));
+      const streams = pending.map((id) => `ortq:reply:${id}`);
+      let reply;
+      try {
+        reply = await this.blocking.xreadBuffer('BLOCK', block, 'STREAMS', ...streams, ...pending.map(() => '0-0'));
+      } catch (err) {
+        throw redisFailure(err, 'could not read replies', 'a reply key of these jobs holds something no worker wrote');
+      }
+      for (const [stream, entries] of reply ?? []) {
+        const jobId = stream.toString().slice('ortq:reply:'.length);
+        const fields = entries[0]?.[1] ?? [];
+        let frame = null;
+        for (let i = 0; i + 1 < fields.length; i += 2) if (fields[i].toString() === 'frame') frame = fields[i + 1];
+        if (frame === null) throw new OrtqError('CorruptRecord', `the reply of job ${jobId} has no frame`, { jobId });
+        responses.set(jobId, this.#checked(frame, jobId, nonces[jobIds.indexOf(jobId)] ?? null));
+      }
+    }
+  }
+
+  /** Decode a response frame and apply the nonce rule (section 4.3). */
+  #checked(frame, jobId, nonce) {
+    let response;
+    try {
+      response = decodeResponse(frame, this.maxFrameBytes);
+    } catch (err) {
+      throw new OrtqError('CorruptRecord', `the reply of job ${jobId} is no valid response frame: ${err.message}`, { jobId });
+    }
+    const same = response.nonce !== null && nonce !== null && response.nonce.equals(nonce);
+    if (nonce !== null && !same && (response.ok || response.nonce !== null)) {
+      throw new OrtqError('ResponseMismatch', `the response to job ${jobId} does not carry this request's nonce: its request was replaced or its reply forged`, { jobId });
+    }
+    return response;
+  }
+
+  /** RQ's status of the job (queued, started, finished, failed, canceled, scheduled), or null. */
+  async status(jobId) {
+    return redisCall(`could not read the status of job ${jobId}`, this.redis.hget(this.jobKey(checkJobId(jobId)), 'status'));
+  }
+
+  /** Take a job off its queue if no worker has started it (section 3.6); whether it was removed. */
+  async cancel(jobId, model) {
+    const doing = `could not cancel job ${jobId}`;
+    const removed = this.redis.lrem(this.queueKey(checkModelName(model)), 0, checkJobId(jobId));
+    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return false;
+    const records = this.redis
+      .multi()
+      .del(`ortq:req:${jobId}`)
+      .hset(this.jobKey(jobId), 'status', 'canceled')
+      .zadd(`${this.rqPrefix}:canceled:ortq:${model}`, Math.floor(Date.now() / 1000), jobId)
+      .exec();
+    await redisCall(doing, records); // a job hash that is no hash: the job is off the queue anyway
+    this.nonces.delete(jobId);
+    return true;
+  }
+}

@@ -1,0 +1,370 @@
+"""``ortq.AsyncProducer``: ``ortq.Producer`` for asyncio services (FastAPI, aiohttp), on ``redis.asyncio``.
+
+The same methods, options, checks and errors as ``Producer`` (the protocol is shared: ``checks``,
+``enqueue``, ``faults``), awaited instead of blocking. Connections are shared by every coroutine:
+commands go through one pool of at most ``max_connections``, and waiting for results through one
+reader task (``replies.ReplyReader``) whose XREADs cover the reply streams of all awaited jobs at
+once, on at most ``max_reads`` more connections. One producer belongs to one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from ortq import keys, wire
+from ortq.control import MAX_WORKERS
+from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
+from ortq.producer import checks, enqueue, faults
+from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.producer.replies import ReplyReader
+from ortq.settings import Settings, redacted_url
+from ortq.signature import ModelSignature
+
+log = logging.getLogger("ortq")
+
+
+class AsyncInferenceJob:
+    """A submitted job: ``await job.result()`` for its outputs, ``await job.status()`` to look at it."""
+
+    def __init__(self, producer: AsyncProducer, job_id: str, model: str, nonce: bytes | None = None) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.model = model
+        #: The random bytes its request carried; its response must echo them (None: not checked,
+        #: for a handle on a job submitted elsewhere).
+        self.nonce = nonce
+
+    def __repr__(self) -> str:
+        return f"AsyncInferenceJob(id={self.id!r}, model={self.model!r})"
+
+    async def status(self) -> str:
+        """RQ's status of the job (queued, started, finished, failed, canceled, ...); JobNotFound
+        when Redis has no record of it (never enqueued, or expired)."""
+        key = keys.job_key(self.id)
+        try:
+            raw = await self.producer.connection.hget(key, "status")
+        except redis.RedisError as exc:
+            doing = f"could not read the status of job {self.id}"
+            raise faults.failure(exc, doing, f"the record of job {self.id} ({key}) is no job hash") from exc
+        return enqueue.status_of(raw, self.id)
+
+    async def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
+        """The job's outputs, once its response arrives (at most ``timeout`` seconds): read-only views
+        onto the received frame. InferenceFailed if the worker failed it, ResultTimeout if nothing came."""
+        return enqueue.outputs_of(await self.producer.wait_response(self.id, timeout, self.nonce), self.id)
+
+    async def cancel(self) -> bool:
+        """Take the job off its queue if no worker has started it; returns whether it was removed."""
+        return await self.producer.cancel(self.id, self.model)
+
+
+class AsyncProducer:
+    """Submits jobs to ortq workers through Redis, from asyncio code.
+
+    ``validate`` and ``allow_unknown_models`` are ``Producer``'s. ``connection``: a
+    ``redis.asyncio.Redis`` of your own for commands (not closed by :meth:`aclose`); by default the
+    producer opens a pool of at most ``max_connections``. Waiting uses ``max_reads`` connections of
+    its own. Use ``async with AsyncProducer(...) as producer:`` (which checks the connection with a
+    PING) or call :meth:`aclose` when done.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        connection: redis.asyncio.Redis | None = None,
+        validate: bool = True,
+        allow_unknown_models: bool = False,
+        max_connections: int = 10,
+        max_reads: int = 4,
+    ) -> None:
+        self.settings = settings or Settings.from_env(redis_url=redis_url)
+        if max_connections < 1 or max_reads < 1:
+            raise ConfigurationError(f"max_connections and max_reads must be >= 1, got {max_connections}, {max_reads}")
+        self.validate = validate
+        self.allow_unknown_models = allow_unknown_models
+        options = {
+            "socket_timeout": self.settings.socket_timeout,
+            "socket_connect_timeout": self.settings.socket_timeout,
+            "health_check_interval": 30,
+            "socket_read_size": 1 << 20,  # frames are large: fewer reads per frame
+            # One retry, at once: a pooled connection that Redis closed (a restart) is reopened
+            # unseen. No more: an unreachable Redis is BrokerUnavailable now, not after seconds of
+            # backoff, and an enqueue MULTI is not sent again and again (each resend that follows
+            # an EXEC whose answer was lost would queue its jobs once more).
+            "retry": Retry(NoBackoff(), 1),
+        }
+        try:
+            if connection is None:
+                pool = redis.asyncio.BlockingConnectionPool.from_url(
+                    self.settings.redis_url, max_connections=max_connections, timeout=None, **options
+                )
+                connection = redis.asyncio.Redis.from_pool(pool)
+                self._owns_connection = True
+            else:
+                self._owns_connection = False
+            self.connection = connection
+            # The reader's own pool: the same server and login, its blocks under its socket timeout
+            # (the reader rides out an outage itself, backing off).
+            kwargs = {**connection.connection_pool.connection_kwargs, **options}
+            reader_pool = redis.asyncio.BlockingConnectionPool(
+                connection_class=connection.connection_pool.connection_class,
+                max_connections=max_reads,
+                timeout=None,
+                **kwargs,
+            )
+        except ValueError as exc:  # a query option redis-py cannot read
+            raise ConfigurationError(f"redis_url {redacted_url(self.settings.redis_url)!r}: {exc}") from None
+        block = faults.block_seconds(self.settings, self.settings.socket_timeout)
+        self._reader = ReplyReader(
+            redis.asyncio.Redis.from_pool(reader_pool),
+            max_bytes=self.settings.max_frame_bytes,
+            block=block,
+            reads=max_reads,
+        )
+        self._signatures = checks.SignatureCache()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def ping(self) -> None:
+        """Check the connection: ConfigurationError for what only the settings can fix (a refused
+        login or certificate, a server that is not Redis), BrokerUnavailable when Redis is unreachable."""
+        try:
+            await self.connection.ping()
+        except redis.RedisError as exc:
+            raise faults.failure(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
+
+    async def aclose(self) -> None:
+        """Stop waiting (whoever still waits gets BrokerUnavailable) and close the connections."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.settings.socket_timeout)
+        await self._reader.aclose()
+        if self._owns_connection:
+            await self.connection.aclose()
+
+    async def __aenter__(self) -> AsyncProducer:
+        await self.ping()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ models
+
+    async def signature(self, model: str) -> ModelSignature | None:
+        """The signature the model's workers published, or None if none has (yet)."""
+        cached = self._signatures.get(model, time.monotonic())
+        if cached is not None:
+            return cached
+        key = keys.signature_key(keys.check_model_name(model))
+        try:
+            raw = await self.connection.get(key)
+        except redis.RedisError as exc:
+            doing = f"could not read the signature of {model!r}"
+            raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
+        signature = checks.parse_signature(raw, model)
+        self._signatures.put(model, signature, time.monotonic())
+        return signature
+
+    async def _checked_model(self, model: str) -> ModelSignature | None:
+        keys.check_model_name(model)
+        if self.allow_unknown_models and not self.validate:
+            return None
+        signature = await self.signature(model)
+        if signature is None and not self.allow_unknown_models:
+            raise checks.unknown_model(model, await self._live_records())
+        return signature if self.validate else None
+
+    async def _live_records(self) -> list[dict[str, Any]]:
+        """Every live worker's record (hostile input: what cannot be read is skipped)."""
+        try:
+            raw_names = await self.connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
+            names = checks.worker_names(raw_names or [])
+            raws = await self.connection.mget([keys.worker_key(n) for n in names]) if names else []
+        except redis.RedisError as exc:
+            if faults.is_wrong_type(exc):  # not written by ortq: no worker to be found there
+                return []
+            raise faults.failure(exc, "could not read the worker records") from exc
+        return checks.live_records(raws)
+
+    async def workers(self, model: str) -> list[dict[str, Any]]:
+        """The published records of the live workers serving ``model``."""
+        return [record for record in await self._live_records() if record.get("model") == model]
+
+    async def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
+        deadline = time.monotonic() + checks.wait_timeout(timeout)
+        while True:
+            found = await self.workers(model)
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise ResultTimeout(f"{len(found)} of {count} workers for model {model!r} after {timeout:g} s")
+            await asyncio.sleep(0.1)
+
+    def job(self, job_id: str, model: str) -> AsyncInferenceJob:
+        """A handle on a job submitted earlier (by any producer)."""
+        return AsyncInferenceJob(self, job_id, keys.check_model_name(model))
+
+    # ------------------------------------------------------------------ submitting
+
+    async def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        ttl: float | None = None,
+        job_timeout: float | None = None,
+        retries: int = 0,
+        retry_backoff: float = 0,
+        priority: str = "normal",
+    ) -> AsyncInferenceJob:
+        """Validate and enqueue one job; returns at once with a handle. The options are ``Producer.submit``'s."""
+        jobs = await self.submit_many(
+            model,
+            [inputs],
+            ttl=ttl,
+            job_timeout=job_timeout,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            priority=priority,
+        )
+        return jobs[0]
+
+    async def submit_many(
+        self,
+        model: str,
+        many_inputs: Iterable[Mapping[str, Any]],
+        *,
+        ttl: float | None = None,
+        job_timeout: float | None = None,
+        retries: int = 0,
+        retry_backoff: float = 0,
+        priority: str = "normal",
+    ) -> list[AsyncInferenceJob]:
+        """Validate every job first (options, model, inputs, queue room), then enqueue them all in
+        one MULTI/EXEC round trip."""
+        options = checks.job_options(
+            self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
+            priority=priority,
+        )  # fmt: skip
+        signature = await self._checked_model(model)
+        many = list(many_inputs)
+        nonces = [enqueue.new_nonce() for _ in many]
+        size = self.settings.max_frame_bytes
+        frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
+        if not frames:
+            return []
+        if self.settings.max_queue_length:
+            try:
+                queued = await self.connection.llen(keys.queue_key(model))
+            except redis.RedisError as exc:
+                wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+                raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
+            checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
+        try:
+            ids = await self._enqueue(model, frames, options)
+        except redis.RedisError as exc:
+            error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
+            if isinstance(error, BrokerUnavailable):
+                error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
+            raise error from exc
+        return [AsyncInferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
+
+    async def _enqueue(self, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
+        """``Producer._enqueue``, awaited: one MULTI, EVAL where FCALL found no function, and what
+        Redis refused removed again and reported."""
+        try:
+            async with self.connection.pipeline(transaction=True) as pipe:
+                ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
+                results = await pipe.execute(raise_on_error=False)
+        except redis.ResponseError as exc:
+            if not enqueue.is_refused_fcall(exc, options):
+                raise
+            async with self.connection.pipeline(transaction=True) as pipe:
+                ids = [add_enqueue(pipe, model, frame, options, by_eval=True) for frame in frames]
+                results = await pipe.execute(raise_on_error=False)
+        by_eval, broken = enqueue.split_failures(results, ids)
+        if by_eval:
+            async with self.connection.pipeline(transaction=False) as pipe:
+                for job_id in by_eval:
+                    enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
+                again = await pipe.execute(raise_on_error=False)
+            broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
+        if broken:
+            async with self.connection.pipeline(transaction=True) as pipe:
+                for job_id, _ in broken:
+                    pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
+                await pipe.execute(raise_on_error=False)
+            raise enqueue.enqueue_failure(model, broken, len(ids))
+        return ids
+
+    async def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
+        """Submit one job and await its outputs.
+
+        If it times out (ResultTimeout, or the awaiting task is cancelled, as by ``asyncio.wait_for``
+        or a client that went away), the job is taken off the queue if no worker has started it.
+        """
+        checks.wait_timeout(timeout)
+        job = await self.submit(model, inputs)
+        try:
+            return await job.result(timeout)
+        except ResultTimeout:
+            await job.cancel()
+            raise
+        except asyncio.CancelledError:
+            self._in_background(job.cancel())
+            raise
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("could not take an abandoned job off its queue: %s", exc)
+
+    # ------------------------------------------------------------------ waiting
+
+    async def wait_response(self, job_id: str, timeout: float, nonce: bytes | None = None) -> wire.Response:
+        """The job's response (see ``Producer.wait_response``)."""
+        late = f"no result for job {job_id} within {timeout:g} s"
+        return (await self._reader.wait([job_id], [nonce], checks.wait_timeout(timeout), late))[0]
+
+    async def wait_responses(
+        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None = None
+    ) -> list[wire.Response]:
+        """The responses of many jobs, in order, waited for together."""
+        nonces = list(nonces) if nonces is not None else [None] * len(job_ids)
+        return await self._reader.wait(job_ids, nonces, checks.wait_timeout(timeout), None)
+
+    async def results(self, jobs: Sequence[AsyncInferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
+        """The outputs of many jobs, in order, waited for together. Raises InferenceFailed for the
+        first job (in order) that failed, ResultTimeout if some had no result in time."""
+        responses = await self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs])
+        return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
+
+    async def cancel(self, job_id: str, model: str) -> bool:
+        """Remove a queued job (see AsyncInferenceJob.cancel)."""
+        try:
+            if not await self.connection.lrem(keys.queue_key(model), 0, job_id):
+                return False
+            async with self.connection.pipeline(transaction=True) as pipe:
+                enqueue.add_cancel(pipe, job_id, model)
+                await pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
+        except redis.RedisError as exc:
+            wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+            raise faults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
+        return True

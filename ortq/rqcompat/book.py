@@ -1,0 +1,291 @@
+"""RQ's per-job records, written server-side: the scripts in ``lua/`` bound to one connection,
+one worker and one queue, with their arguments and replies in Python types.
+
+RQ's own worker spends ~20 round trips on each job (execution record, registries, worker and job
+hashes, result stream). Here the same writes happen inside one script call per stage: a job costs
+three round trips in all (the dequeue, ``start`` with the read of its request frame, ``finish``).
+What the scripts write is what RQ's ``prepare_execution``, ``prepare_job_execution``,
+``handle_job_success``, ``handle_job_failure`` and ``Job.retry`` write, for RQ 2.12 and RQ 3
+(tests/rqcontract compares them field by field).
+
+The scripts build per-job key names from the ids they are given (a batch's ids are not known
+before the script pops them), which ties ortq to a single Redis (no Cluster), as RQ's multi-key
+transactions already do.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from base64 import b64encode
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any, cast
+from uuid import uuid4
+
+import redis
+
+from ortq import keys
+from ortq.rqcompat import layout
+from ortq.rqcompat.layout import QueueKeys, is_job_id, utcformat, utcnow
+from ortq.rqjob import parse_rq_time
+
+log = logging.getLogger("ortq.worker")
+
+_LUA = Path(__file__).parent / "lua"
+
+#: The job hash fields start.lua reads, in its order (its FIELDS).
+JOB_FIELDS = (
+    "status",
+    "data",
+    "enqueued_at",
+    "created_at",
+    "timeout",
+    "ttl",
+    "result_ttl",
+    "failure_ttl",
+    "retries_left",
+    "retry_intervals",
+    "success_callback_name",
+    "failure_callback_name",
+    "stopped_callback_name",
+    "ortq_recoveries",
+    "origin",
+)
+
+#: How long a started job's records live unless refreshed, for a job without a timeout: RQ's
+#: SimpleWorker.get_heartbeat_ttl (with a timeout: timeout + 60 s). ortq's heartbeat refreshes them
+#: every few seconds.
+DEFAULT_JOB_TTL = layout.DEFAULT_WORKER_TTL + 60
+
+
+@cache
+def script_source(name: str) -> str:
+    """The Lua of ``lua/<name>.lua`` with the shared helpers of ``lua/common.lua`` before it."""
+    return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
+
+
+def exc_string(text: str) -> str:
+    """An error text as RQ's result stream stores it (base64 of zlib)."""
+    return b64encode(zlib.compress(text.encode())).decode()
+
+
+@dataclass(frozen=True)
+class StartedJob:
+    """One job ``start`` marked started: its ids, the job hash fields ortq reads (JOB_FIELDS;
+    None where absent or, see ``oversized``, too large to read), and its heartbeat TTL."""
+
+    job_id: str
+    execution_id: str
+    fields: dict[bytes, bytes]
+    #: The name of a job hash field too large to be an ortq job's (it was not read), or None.
+    oversized: str | None
+    ttl: int
+    started_at: datetime
+    #: The size of its request frame: -1 when there is no request key, -2 when it is no string.
+    frame_size: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A queue entry ``start`` took off the intermediate list without starting it, and why:
+    ``id`` (not a job id), ``gone`` (its record expired, as RQ skips it), ``type:<t>`` (its job key
+    is no hash), ``status:<s>`` (a second entry of a job that already ran or runs)."""
+
+    entry: bytes
+    reason: str
+
+    @property
+    def expirable(self) -> bool:
+        """An entry that is no job, short enough for its records to be found and left to expire."""
+        return (self.reason == "id" or self.reason.startswith("type:")) and 0 < len(self.entry) <= 512
+
+    @property
+    def answerable(self) -> bool:
+        """One that is printable text too: whoever waits for it can be told why."""
+        return self.expirable and all(0x21 <= b <= 0x7E for b in self.entry)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What ``finish`` needs of one successful job."""
+
+    started: StartedJob
+    frame: bytes
+    ttl: int
+    return_value: bytes  # RQ's result, already msgpack
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A failed job goes back for another attempt: at once (``at`` None) or at an epoch time; its
+    hash lives ``ttl`` seconds while it waits again (RQ gives it the job's ttl)."""
+
+    retries_left: int
+    at: float | None
+    ttl: int = layout.DEFAULT_WORKER_TTL
+
+
+class Book:
+    """The scripts, bound to one connection, one worker and one queue."""
+
+    def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str) -> None:
+        self.connection = connection
+        self.worker_name = worker_name
+        self.queue = QueueKeys.of(queue_name)
+        self._common = [layout.PREFIX, "3" if layout.RQ3 else "2", keys.PREFIX, layout.DEFAULT_WORKER_TTL + 60]
+        self._scripts = {
+            name: connection.register_script(script_source(name))
+            for name in ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain")
+        }
+
+    def _call(self, name: str, args: Iterable[Any], client: Any = None) -> Any:
+        return self._scripts[name](keys=[], args=[*self._common, *args], client=client)
+
+    # ------------------------------------------------------------------ one job's path
+
+    def queue_start(self, pipe: Any, first_id: bytes, more: int) -> datetime:
+        """Queue on ``pipe`` the start of ``first_id`` (already in the intermediate list) and of
+        up to ``more`` jobs popped after it; ``parse_start`` reads the reply."""
+        moment = utcnow()
+        executions = [uuid4().hex for _ in range(1 + more)]  # RQ's execution ids
+        args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
+        self._call("start", [*args, first_id, *executions], client=pipe)
+        return moment
+
+    def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
+        started_raw, skipped_raw = reply
+        started = []
+        for job_id, execution, values, oversized, ttl, frame_size in started_raw:
+            fields = {name.encode(): v for name, v in zip(JOB_FIELDS, values, strict=True) if v}
+            started.append(
+                StartedJob(
+                    keys.as_text(job_id),
+                    keys.as_text(execution),
+                    fields,
+                    keys.as_text(oversized) or None,
+                    int(ttl),
+                    moment,
+                    int(frame_size),
+                )
+            )
+        # A reason quotes a status read from the job hash: any bytes at all.
+        skipped = [Skipped(entry, reason.decode(errors="replace")) for entry, reason in skipped_raw]
+        return started, skipped
+
+    def finish(self, jobs: Sequence[Finished], state: str = "idle") -> int:
+        """Answer every job, then write what RQ writes for each finished job; one round trip.
+        Returns how many were still this worker's to answer."""
+        ended = utcnow()
+        args: list[Any] = [self.queue.name, self.worker_name, state, len(jobs)]
+        for job in jobs:
+            started = job.started
+            args += [
+                started.job_id,
+                started.execution_id,
+                job.frame,
+                job.ttl,
+                (ended - started.started_at).total_seconds(),
+                utcformat(ended),
+                b64encode(job.return_value).decode(),
+                started.started_at.timestamp(),
+                ended.timestamp(),
+            ]
+        return int(self._call("finish", args))
+
+    def fail(
+        self, started: StartedJob, error: bytes, ttl: int, reason: str, retry: Retry | None, state: str = "idle"
+    ) -> bool:
+        """Answer ``error`` to a failed job and write RQ's failure records, or (``retry``) put it
+        back for another attempt; False when another worker had taken it back meanwhile."""
+        ended = utcnow()
+        args = [
+            self.queue.name,
+            self.worker_name,
+            state,
+            started.job_id,
+            started.execution_id,
+            error,
+            ttl,
+            exc_string(reason),
+            ended.timestamp(),
+            utcformat(ended),
+            started.started_at.timestamp(),
+            (ended - started.started_at).total_seconds(),
+            "" if retry is None else "now" if retry.at is None else "at",
+            "" if retry is None or retry.at is None else int(retry.at),
+            "" if retry is None else retry.retries_left,
+            "" if retry is None else retry.ttl,
+        ]
+        return bool(self._call("fail", args))
+
+    def reject(self, skipped: Skipped, error: bytes, ttl: int) -> None:
+        """Answer a queue entry that is no job (``error``; b'' to only let its records expire, see
+        Skipped.answerable) so that its producer learns why."""
+        self._call("reject", [skipped.entry, error, ttl])
+
+    # ------------------------------------------------------------------ recovery and upkeep
+
+    def recover(
+        self, job_id: str, execution_id: str, owner: str, max_recoveries: int, ttl: int, error: bytes, reason: str
+    ) -> str | None:
+        """Requeue (or, past ``max_recoveries``, fail with ``error``) a job whose worker died
+        running it; None when it was not started any more (another worker took it back first)."""
+        moment = utcnow()
+        args = [self.queue.name, job_id, execution_id, owner, max_recoveries, ttl]
+        result = self._call("recover", [*args, moment.timestamp(), utcformat(moment), error, exc_string(reason)])
+        return None if result is None else keys.as_text(result)
+
+    def rescue(self, grace: float, limit: int = 1000) -> tuple[list[str], int, bool]:
+        """Requeue jobs a lost BLMOVE reply left in the intermediate list (see rescue.lua):
+        (ids requeued, entries removed, whether to call again soon)."""
+        rescued, removed, full = self._call("rescue", [self.queue.name, utcnow().timestamp(), grace, limit])
+        return [keys.as_text(r) for r in rescued], int(removed), bool(full)
+
+    def due_retries(self, limit: int = 100) -> int:
+        """Move retries whose backoff has passed back to the queue; how many moved."""
+        moment = utcnow()
+        return int(self._call("retries", [self.queue.name, moment.timestamp(), limit, utcformat(moment)]))
+
+    def maintain(self) -> list[str]:
+        """RQ's registry cleanup for this queue; the names of keys removed for holding the wrong type."""
+        return [keys.as_text(k) for k in self._call("maintain", [self.queue.name, utcnow().timestamp()])]
+
+    def abandoned(self, dead_after: float, own: bool, limit: int = 1000) -> list[tuple[str, str, str]]:
+        """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
+        no heartbeat for ``dead_after`` seconds (or whose records are gone). With ``own``, this
+        worker's own entries count too: it asks while it runs nothing, so a started job of its own
+        is one whose start reply was lost. At most ``limit`` entries are looked at per call."""
+        started = self.queue.started
+        if keys.as_text(self.connection.type(started)) != "zset":
+            return []
+        entries = [keys.as_text(e) for e in cast(list[bytes], self.connection.zrange(started, 0, limit - 1))]
+        parsed = [(job_id, execution) for job_id, _, execution in (e.rpartition(":") for e in entries)]
+        parsed = [(j, e) for j, e in parsed if is_job_id(j) and is_job_id(e)]
+        if not parsed:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id, execution in parsed:
+                pipe.hget(layout.execution_key(job_id, execution), "worker_name")
+            owners = [None if w is None else keys.as_text(w) for w in pipe.execute(raise_on_error=False)]
+        names = sorted({w for w in owners if isinstance(w, str) and w != self.worker_name})
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(layout.worker_key(name), "last_heartbeat")
+            beats = dict(zip(names, pipe.execute(raise_on_error=False), strict=True))
+        now = utcnow()
+        found = []
+        for (job_id, execution), raw_owner in zip(parsed, owners, strict=True):
+            owner = raw_owner if isinstance(raw_owner, str) else None
+            if owner == self.worker_name:
+                if own:
+                    found.append((job_id, execution, owner))
+                continue
+            beat = beats.get(owner) if owner else None
+            last = parse_rq_time(beat if isinstance(beat, bytes) else None)
+            if last is None or (now - last).total_seconds() > dead_after:
+                found.append((job_id, execution, owner or "?"))
+        return found

@@ -1,0 +1,101 @@
+-- Prepended to every ortq script. Everything a script reads may hold any type and any content,
+-- written by anyone the ACL lets write it: every read checks the type first, every number read
+-- is clamped before it reaches EXPIRE or arithmetic, and a key ortq is about to write that holds
+-- the wrong type is removed first, so that no command in a script can fail halfway.
+--
+-- ARGV[1]: RQ's key prefix (`rq`, or RQ 3's RQ_KEY_PREFIX); ARGV[2]: '3' for RQ 3's records;
+-- ARGV[3]: ortq's key prefix (`ortq:`); ARGV[4]: the TTL of an idle worker's hash (RQ's worker_ttl
+-- + 60). Script arguments follow from ARGV[5].
+local PREFIX, RQ3, ORTQ, WORKER_TTL = ARGV[1], ARGV[2] == '3', ARGV[3], tonumber(ARGV[4])
+local YEAR = 31536000
+
+local function kind(key)
+  return redis.call('TYPE', key)['ok']
+end
+
+-- Make `key` writable as type `want`: a key of another type there is not ortq's or RQ's record.
+local function own(key, want)
+  local t = kind(key)
+  if t ~= want and t ~= 'none' then redis.call('DEL', key) end
+end
+
+local function hget(key, field)
+  if kind(key) ~= 'hash' then return false end
+  return redis.call('HGET', key, field)
+end
+
+-- A finite number, or `default`.
+local function number(value, default)
+  local n = tonumber(value)
+  if not n or n ~= n or n == math.huge or n == -math.huge then return default end
+  return n
+end
+
+-- Whole seconds that EXPIRE accepts: between 1 and a year, else `default`.
+local function seconds(value, default)
+  local n = number(value, nil)
+  if not n then return default end
+  return math.floor(math.max(1, math.min(n, YEAR)))
+end
+
+-- HINCRBY / HINCRBYFLOAT that a forged non-number in the field cannot make fail.
+local function add(key, field, delta)
+  redis.call('HSET', key, field, tostring(number(redis.call('HGET', key, field), 0) + delta))
+end
+
+local function job_key(id) return PREFIX .. ':job:' .. id end
+local function wip_key(queue) return PREFIX .. ':wip:' .. queue end
+local function queue_key(queue) return PREFIX .. ':queue:' .. queue end
+local function worker_key(worker) return PREFIX .. ':worker:' .. worker end
+
+-- Answer a job: its one response frame, as the only entry of its reply stream (producers read it
+-- with XREAD, which writes nothing). Whatever was there is replaced: a job is answered once.
+local function answer(id, frame, ttl)
+  local reply = ORTQ .. 'reply:' .. id
+  redis.call('DEL', reply)
+  redis.call('XADD', reply, '*', 'frame', frame)
+  redis.call('EXPIRE', reply, ttl)
+end
+
+-- RQ's execution records of one run end: the execution hash, its entry in the job's executions,
+-- in the started registry and (RQ 3) in the worker's index of its executions.
+local function end_execution(queue, id, execution, worker)
+  local composite = id .. ':' .. execution
+  redis.call('DEL', PREFIX .. ':execution:' .. composite)
+  local executions = PREFIX .. ':executions:' .. id
+  if kind(executions) == 'zset' then redis.call('ZREM', executions, execution) end
+  local wip = wip_key(queue)
+  if kind(wip) == 'zset' then redis.call('ZREM', wip, composite) end
+  if RQ3 and worker ~= '' then
+    local index = worker_key(worker) .. ':executions'
+    if kind(index) == 'set' then redis.call('SREM', index, composite) end
+  end
+end
+
+-- Is this execution still the job's? A job whose started entry is gone was taken back (its worker
+-- was thought dead) and belongs to its next execution: fencing for every answer.
+local function owns(queue, id, execution)
+  local wip = wip_key(queue)
+  return kind(wip) == 'zset' and redis.call('ZSCORE', wip, id .. ':' .. execution) ~= false
+end
+
+-- The worker hash after a run, as RQ's handle_job_success / handle_job_failure leave it; with a
+-- `state` ('' while the batch goes on), the worker's state, and (RQ 2) no current job. Only an existing hash is updated: a hash made here would have no TTL (the
+-- heartbeat re-registers a worker whose hash expired).
+local function worker_done(worker, counter, count, working, state)
+  local key = worker_key(worker)
+  local t = kind(key)
+  if t ~= 'hash' then
+    if t ~= 'none' then redis.call('DEL', key) end
+    return
+  end
+  if count > 0 then
+    add(key, counter, count)
+    add(key, 'total_working_time', working)
+  end
+  if state ~= '' then
+    redis.call('HSET', key, 'state', state)
+    if not RQ3 then redis.call('HDEL', key, 'current_job') end
+    if state == 'idle' then redis.call('EXPIRE', key, WORKER_TTL) end
+  end
+end

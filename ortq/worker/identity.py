@@ -1,0 +1,20 @@
+"""What a worker publishes about itself besides its live state (``ortq:worker:<name>``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WorkerIdentity:
+    """The model it serves and what it runs on."""
+
+    model: str
+    model_path: str
+    provider: str
+    device_id: int | None
+    fell_back_to_cpu: bool
+    host: str
+    pid: int
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,151 @@
+"""The first two stages of the worker's loop: take jobs off the model's queue and read their
+request frames, as few round trips as possible and with memory bounded by ``max_frame_bytes``.
+
+One job: ``BLMOVE`` (into RQ's intermediate list, as RQ does, so that a lost reply loses no job),
+then one round trip with ``start.lua`` (RQ's "started" records; with batching it pops up to
+``max_batch - 1`` more) and ``GETRANGE`` of the first request frame. ``GETRANGE 0 max_frame_bytes``
+returns at most one byte more than the limit, so a frame that is too large is known to be so
+without being read (a ``GET`` would fetch a 400 MiB frame whole before its size could be checked);
+a batch's other frames come in one more pipelined round trip, each bounded the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import cast
+
+import redis
+
+from ortq import keys, wire
+from ortq.errors import InvalidJob, OrtqError, PayloadTooLarge
+from ortq.rqcompat import layout
+from ortq.rqcompat.book import Book, Skipped, StartedJob
+from ortq.settings import Settings
+
+log = logging.getLogger("ortq.worker")
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A started job and its request frame: the bytes, None when there is none (its ttl passed, or
+    it was deleted), or the error that fails the job without decoding anything."""
+
+    started: StartedJob
+    frame: bytes | OrtqError | None
+
+
+class Intake:
+    """Takes jobs for one worker: blocking in short slices, so that stop requests are seen."""
+
+    def __init__(self, connection: redis.Redis, book: Book, settings: Settings, max_batch: int, max_wait: float):
+        self.connection = connection
+        self.book = book
+        self.settings = settings
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        # Neither Windows nor PEP 475 lets a signal cut a blocking socket read short: a stop request
+        # is seen when the read returns.
+        self.slice = 1.0 if sys.platform == "win32" else min(1.0, settings.block_slice)
+        #: Seconds the last batch waited for more jobs after its first (a timing in each response).
+        self.batch_wait = 0.0
+        self._suspended = False
+        self._suspension_checked = -1.0
+
+    def take(self, block: bool) -> list[Taken] | None:
+        """The next job and, batching, the jobs after it; [] when none came within one slice, and
+        None (only without ``block``: burst mode) when the queue is empty."""
+        queue = self.book.queue
+        try:
+            if block:
+                # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
+                raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, self.slice))  # type: ignore[arg-type]
+            else:
+                raw = cast(bytes | None, self.connection.lmove(queue.queue, queue.intermediate))
+        except redis.ResponseError as exc:
+            # WRONGTYPE: the queue or its intermediate list holds something else (written by
+            # someone with write access): remove it, say so, and go on serving.
+            log.error("taking a job failed (%s); checking the queue's keys", exc)
+            for key in self.book.maintain():
+                log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
+            return []
+        if raw is None:
+            return [] if block else None
+        taken = self._start(raw, self.max_batch - 1)
+        waited = time.perf_counter()
+        taken += self._wait_for_more(len(taken))
+        self.batch_wait = time.perf_counter() - waited
+        return taken
+
+    def _start(self, first: bytes, more: int) -> list[Taken]:
+        """Start ``first`` (and up to ``more`` queued after it) and read their frames."""
+        limit = self.settings.max_frame_bytes
+        first_text = first.decode(errors="replace")
+        with self.connection.pipeline(transaction=False) as pipe:
+            moment = self.book.queue_start(pipe, first, more)
+            pipe.getrange(keys.request_key(first_text), 0, limit)
+            reply, first_frame = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        started, skipped = self.book.parse_start(reply, moment)
+        for entry in skipped:
+            self._skip(entry)
+        frames: dict[str, object] = {}
+        if started and started[0].job_id == first_text:
+            frames[first_text] = first_frame
+        # The others' frames, except those too large to read (start.lua gave their sizes).
+        rest = [job for job in started[len(frames) :] if 0 <= job.frame_size <= limit]
+        if rest:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for job in rest:
+                    pipe.getrange(keys.request_key(job.job_id), 0, limit)
+                frames.update(zip((job.job_id for job in rest), pipe.execute(raise_on_error=False), strict=True))
+        return [Taken(job, _frame(job, frames.get(job.job_id), limit)) for job in started]
+
+    def _skip(self, skipped: Skipped) -> None:
+        """Log a queue entry that was not started, and answer it where it can be answered."""
+        what = {"id": f"not a job id ({layout.JOB_ID.pattern})", "gone": "its job record expired"}.get(
+            skipped.reason, skipped.reason
+        )
+        if skipped.reason.startswith("status:"):
+            what = f"a second queue entry of a job that is already {skipped.reason[7:]}"
+        log.warning("queue entry %.80r of %s skipped: %s", skipped.entry, self.book.queue.name, what)
+        if skipped.expirable:
+            message = f"queue entry {skipped.entry[:80]!r} is no ortq job: {what}"
+            error = wire.encode_error(InvalidJob.__name__, message) if skipped.answerable else b""
+            self.book.reject(skipped, error, self.settings.failure_ttl)
+
+    def _wait_for_more(self, have: int) -> list[Taken]:
+        """Fill the batch with jobs that arrive within ``max_wait`` of the first."""
+        more: list[Taken] = []
+        deadline = time.monotonic() + self.max_wait
+        queue = self.book.queue
+        while 0 < have + len(more) < self.max_batch and (left := deadline - time.monotonic()) > 0.001:
+            raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, left))  # type: ignore[arg-type]
+            if raw is None:
+                break
+            more += self._start(raw, self.max_batch - have - len(more) - 1)
+        return more
+
+    def suspended(self) -> bool:
+        """``rq suspend`` is in force: take no new job. Asked at most once a second."""
+        now = time.monotonic()
+        if now >= self._suspension_checked + 1.0:
+            self._suspension_checked = now
+            self._suspended = bool(self.connection.exists(layout.suspended_key()))
+        return self._suspended
+
+
+def _frame(job: StartedJob, reply: object, limit: int) -> bytes | OrtqError | None:
+    """The request frame, or why there is none to decode: None when there is no request key (its
+    ttl passed), an error when it is no string or larger than the limit (then it was not read
+    past the limit, or, in a batch, not at all)."""
+    if job.frame_size == -1:
+        return None
+    if job.frame_size == -2 or isinstance(reply, Exception):
+        return InvalidJob(f"the request key of job {job.job_id} holds no string")
+    if job.frame_size > limit or (isinstance(reply, bytes) and len(reply) > limit):
+        return PayloadTooLarge(f"the request frame is over max_frame_bytes ({limit}); it was not read")
+    return reply if isinstance(reply, bytes) and len(reply) == job.frame_size else None

@@ -1,0 +1,356 @@
+"""Redis is hostile input: every key ortq reads may hold any type, any size, any content, written by
+anyone the ACL lets write it. Each case here attacks a real ``ortq worker`` (the tiny model,
+batching on) through raw Redis commands, then checks that:
+
+* the worker is still running and serves a good job bit-exact (against a direct ``session.run``)
+  within BOUND seconds;
+* the hostile job, where it names a job a producer could wait on, was answered once, with a typed
+  error (or its outputs, where it was in fact a good job);
+* no Redis script ran longer than SLOW_MS (Redis's SLOWLOG, read after each case): nothing an
+  attacker writes makes a script slower than linear in what it touches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import redis
+
+from ortq import keys, wire
+from ortq.errors import CorruptRecord
+from ortq.producer import Producer
+from ortq.rqcompat import layout
+from ortq.settings import Settings
+from tests.conftest import WorkerProcesses, eventually
+from tests.test_fuzz import job_fields
+
+#: Seconds within which a good job is served again after an attack.
+BOUND = 20.0
+#: The longest any ortq script may run, attack or not (Redis's SLOWLOG threshold, ms).
+SLOW_MS = 100
+#: max_frame_bytes of the attacked worker (the RSS case pushes frames far larger).
+FRAME_LIMIT = 1 << 20
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+@dataclass
+class Served:
+    model: str
+    url: str
+    r: redis.Redis
+    producer: Producer
+    workers: WorkerProcesses
+    session: ort.InferenceSession
+
+    @property
+    def process(self) -> object:
+        return self.workers.processes[0][0]
+
+    def alive(self) -> None:
+        process = self.workers.processes[0][0]
+        assert process.poll() is None, f"the worker exited with {process.returncode}:\n{self.workers.logs()[-6000:]}"
+
+    def serves_a_good_job(self) -> None:
+        """A good job comes back bit-exact within BOUND seconds (submits retried while the attack
+        still breaks them: a queue key of the wrong type is replaced within a beat or two)."""
+        self.alive()
+        x = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
+        deadline = time.monotonic() + BOUND
+        while True:
+            try:
+                outputs = self.producer.infer(self.model, {"x": x}, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except CorruptRecord:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        np.testing.assert_array_equal(outputs["y"], self.session.run(None, {"x": x})[0])
+        self.alive()
+
+    def push(self, job_id: str | bytes, fields: dict[bytes, bytes] | None = None, frame: bytes | None = None) -> None:
+        """A job written with raw commands, as anyone with write access could."""
+        raw = job_id.encode() if isinstance(job_id, str) else job_id
+        with self.r.pipeline(transaction=True) as pipe:
+            if frame is not None:
+                pipe.set(b"ortq:req:" + raw, frame, ex=600)
+            if fields is not None:
+                pipe.hset(b"rq:job:" + raw, mapping=fields)  # type: ignore[arg-type]
+            pipe.rpush(keys.queue_key(self.model), raw)
+            pipe.execute()
+
+    def reply(self, job_id: str) -> wire.Response:
+        """The one response frame of ``job_id`` (fails after BOUND seconds without one)."""
+        key = keys.reply_key(job_id)
+        eventually(lambda: self.r.type(key) == b"stream" and self.r.xlen(key) > 0, BOUND)
+        assert self.r.xlen(key) == 1, "answered more than once"
+        [(_, fields)] = self.r.xrange(key)
+        return wire.decode_response(fields[b"frame"])
+
+    def failed_with(self, job_id: str, error_type: str) -> None:
+        response = self.reply(job_id)
+        assert response.error is not None and response.error.type == error_type, response.error
+
+
+@pytest.fixture(scope="module")
+def served(redis_server: object, tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    url = redis_server.url  # type: ignore[attr-defined]
+    model = f"hostile-{uuid.uuid4().hex[:8]}"
+    group = WorkerProcesses(tmp_path_factory.mktemp("hostile"))
+    env = {"ORTQ_HEARTBEAT_SECONDS": "0.5", "ORTQ_MAX_FRAME_BYTES": str(FRAME_LIMIT)}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        group.serve(tiny_path, model, url, 1, "--max-batch", "4", "--rows-independent", "--max-wait-ms", "5")
+    r = redis.Redis.from_url(url)
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    producer = Producer(settings=Settings.from_url(url, max_frame_bytes=FRAME_LIMIT))
+    try:
+        yield Served(model, url, r, producer, group, session)
+    finally:
+        group.stop_all()
+        producer.close()
+
+
+@pytest.fixture(autouse=True)
+def no_slow_script(served: Served) -> Iterator[None]:
+    """After each case: no ortq script ran longer than SLOW_MS (attack setup commands are not
+    scripts, so only the worker's and producer's EVALSHA/EVAL/FCALL are looked at)."""
+    served.r.config_set("slowlog-log-slower-than", SLOW_MS * 1000)
+    served.r.slowlog_reset()
+    yield
+    slow = [
+        entry
+        for entry in served.r.slowlog_get(128)
+        if entry["command"].split()[0].upper() in (b"EVALSHA", b"EVAL", b"FCALL")
+    ]
+    assert not slow, f"scripts ran longer than {SLOW_MS} ms: {[(e['command'][:80], e['duration']) for e in slow]}"
+    served.serves_a_good_job()
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+# ------------------------------------------------------------------ keys of the wrong type
+
+
+WRONG_TYPES: dict[str, Callable[[redis.Redis, str], object]] = {
+    "string": lambda r, k: r.set(k, "forged"),
+    "list": lambda r, k: r.rpush(k, "forged"),
+    "hash": lambda r, k: r.hset(k, "forged", "1"),
+    "set": lambda r, k: r.sadd(k, "forged"),
+    "zset": lambda r, k: r.zadd(k, {"forged": 1}),
+    "stream": lambda r, k: r.xadd(k, {"forged": "1"}),
+}
+
+
+@pytest.mark.parametrize("kind", [k for k in WRONG_TYPES if k != "hash"])
+def test_a_job_key_that_is_no_hash_is_answered_invalid(served: Served, kind: str) -> None:
+    job_id = new_id()
+    WRONG_TYPES[kind](served.r, keys.job_key(job_id))
+    served.push(job_id, frame=wire.encode_request({"x": X}))
+    served.failed_with(job_id, "InvalidJob")
+    assert served.r.ttl(keys.job_key(job_id)) > 0  # left to expire
+
+
+@pytest.mark.parametrize("kind", [k for k in WRONG_TYPES if k != "string"])
+def test_a_request_key_that_is_no_string_fails_the_job(served: Served, kind: str) -> None:
+    job_id = new_id()
+    WRONG_TYPES[kind](served.r, keys.request_key(job_id))
+    served.push(job_id, job_fields(served.model))
+    served.failed_with(job_id, "InvalidJob")
+    eventually(lambda: served.r.hget(keys.job_key(job_id), "status") == b"failed")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["queue", "intermediate", "started", "finished", "failed", "scheduled"],
+)
+@pytest.mark.parametrize("kind", ["string", "hash"])
+def test_queue_and_registry_keys_of_the_wrong_type_are_replaced(served: Served, key: str, kind: str) -> None:
+    target = getattr(layout.QueueKeys.of(keys.queue_name(served.model)), key)
+    served.r.delete(target)
+    WRONG_TYPES[kind](served.r, target)
+    # no_slow_script then serves a good job, through all the registries
+
+
+@pytest.mark.parametrize(
+    "key",
+    [layout.results_key, keys.reply_key, lambda i: f"{layout.PREFIX}:executions:{i}"],
+    ids=["results", "reply", "executions"],
+)
+def test_a_jobs_own_records_of_the_wrong_type_do_not_stop_its_answer(served: Served, key: Callable[[str], str]) -> None:
+    job_id = new_id()
+    served.r.set(key(job_id), "forged")
+    served.push(job_id, job_fields(served.model), wire.encode_request({"x": X}))
+    response = served.reply(job_id)
+    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+    eventually(lambda: served.r.hget(keys.job_key(job_id), "status") == b"finished")
+    eventually(lambda: served.r.type(layout.results_key(job_id)) == b"stream")
+
+
+def test_a_last_high_key_of_the_wrong_type_does_not_stop_high_priority(served: Served) -> None:
+    served.r.delete(keys.last_high_key(served.model))
+    served.r.rpush(keys.last_high_key(served.model), "forged")
+    job = served.producer.submit(served.model, {"x": X}, priority="high")
+    np.testing.assert_array_equal(job.result(timeout=BOUND)["y"], served.session.run(None, {"x": X})[0])
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        lambda s: keys.WORKERS_SET,
+        lambda s: layout.workers_key(),
+        lambda s: layout.QueueKeys.of(keys.queue_name(s.model)).workers,
+        lambda s: layout.worker_key(s.producer.workers(s.model)[0]["name"]),
+        lambda s: keys.signature_key(s.model),
+        lambda s: keys.worker_key(s.producer.workers(s.model)[0]["name"]),
+    ],
+    ids=["ortq-workers", "rq-workers", "rq-queue-workers", "rq-worker", "signature", "ortq-worker"],
+)
+def test_worker_records_of_the_wrong_type_are_rewritten(served: Served, key: Callable[[Served], str]) -> None:
+    name = key(served)
+    served.r.delete(name)
+    served.r.rpush(name, "forged")
+    eventually(lambda: served.r.type(name) != b"list", BOUND)
+    eventually(lambda: len(served.producer.workers(served.model)) == 1, BOUND)
+
+
+# ------------------------------------------------------------------ entries and records
+
+
+def test_a_job_pushed_twice_is_answered_once(served: Served) -> None:
+    job_id = new_id()
+    served.push(job_id, job_fields(served.model), wire.encode_request({"x": X}))
+    served.r.rpush(keys.queue_key(served.model), job_id)
+    response = served.reply(job_id)
+    assert response.ok
+    time.sleep(1.0)  # the second entry is taken meanwhile: it must not answer again
+    assert served.r.xlen(keys.reply_key(job_id)) == 1
+    assert served.r.xlen(layout.results_key(job_id)) == 1
+
+
+def test_a_finished_job_pushed_again_is_not_run_again(served: Served) -> None:
+    job = served.producer.submit(served.model, {"x": X})
+    first = job.result(timeout=BOUND)
+    eventually(lambda: served.r.xlen(layout.results_key(job.id)) == 1)
+    served.r.rpush(keys.queue_key(served.model), job.id)
+    eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0)
+    time.sleep(0.5)
+    assert served.r.xlen(layout.results_key(job.id)) == 1 and served.r.xlen(keys.reply_key(job.id)) == 1
+    np.testing.assert_array_equal(job.result(timeout=1)["y"], first["y"])
+    assert job.status() == "finished"
+
+
+@pytest.mark.parametrize(
+    ("entry", "answered", "expires"),
+    [
+        ("job.1", True, True),
+        ("a" * 200, True, True),
+        ("with space", False, True),
+        (b"\xff\xfe", False, True),
+        ("x" * 600, False, False),  # past 512 bytes: dropped, nothing else looked up
+    ],
+    ids=["dot", "long", "space", "binary", "very-long"],
+)
+def test_entries_that_are_no_job_id_are_dropped_and_answered_where_they_can_be(
+    served: Served, entry: str | bytes, answered: bool, expires: bool
+) -> None:
+    raw = entry if isinstance(entry, bytes) else entry.encode()
+    served.r.delete(b"rq:job:" + raw, b"ortq:reply:" + raw)  # other tests of this Redis use such ids too
+    served.r.hset(b"rq:job:" + raw, mapping=job_fields(served.model))  # type: ignore[arg-type]
+    served.push(entry)
+    eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0, BOUND)
+    if expires:
+        eventually(lambda: served.r.ttl(b"rq:job:" + raw) > 0, BOUND)  # its hash is left to expire
+    else:
+        time.sleep(0.5)
+        assert served.r.ttl(b"rq:job:" + raw) == -1
+    if answered:
+        served.failed_with(raw.decode(), "InvalidJob")
+        eventually(lambda: served.r.hget(b"rq:job:" + raw, "status") == b"failed")
+    else:
+        assert not served.r.exists(b"ortq:reply:" + raw)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {b"timeout": b"1e300", b"ttl": b"nan", b"result_ttl": b"-5", b"failure_ttl": b"inf"},
+        {b"retries_left": b"1000000000", b"retry_intervals": b"[1e400, -3, true]", b"ortq_recoveries": b"x"},
+        {b"enqueued_at": b"not a time", b"created_at": b"\xff\xfe"},
+        {b"description": b"d" * (1 << 20)},  # large, but not read
+    ],
+    ids=["numbers", "retries", "timestamps", "large-unread-field"],
+)
+def test_forged_fields_do_not_stop_a_good_job(served: Served, fields: dict[bytes, bytes]) -> None:
+    job_id = new_id()
+    served.push(job_id, {**job_fields(served.model), **fields}, wire.encode_request({"x": X}))
+    response = served.reply(job_id)
+    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+
+
+def test_an_oversized_field_that_is_read_fails_the_job(served: Served) -> None:
+    job_id = new_id()
+    served.push(job_id, {**job_fields(served.model), b"data": b"\x00" * (1 << 20)}, wire.encode_request({"x": X}))
+    served.failed_with(job_id, "InvalidJob")
+
+
+def test_a_hash_with_a_hundred_thousand_fields(served: Served) -> None:
+    job_id = new_id()
+    served.r.hset(keys.job_key(job_id), mapping={f"f{i}": i for i in range(100_000)})
+    served.push(job_id, job_fields(served.model), wire.encode_request({"x": X}))
+    assert served.reply(job_id).ok
+
+
+def test_sixty_thousand_forged_intermediate_entries_block_nothing(served: Served) -> None:
+    intermediate = layout.QueueKeys.of(keys.queue_name(served.model)).intermediate
+    for start in range(0, 60_000, 10_000):
+        served.r.rpush(intermediate, *[f"forged-{i}" for i in range(start, start + 10_000)])
+    served.serves_a_good_job()
+    # Worked through in bounded steps (1,000 entries a call), never in one long script.
+    eventually(lambda: served.r.llen(intermediate) == 0, 60)
+
+
+def test_commands_on_the_workers_channel_do_not_stop_it(served: Served) -> None:
+    name = served.producer.workers(served.model)[0]["name"]
+    channel = layout.pubsub_channel(name)
+    for payload in (b"not json", b"[1, 2]", b"{" * 100_000, json.dumps({"command": "kill-horse"}).encode()):
+        served.r.publish(channel, payload)
+    time.sleep(1.0)
+    served.alive()
+
+
+def test_frames_far_over_the_limit_are_refused_without_being_read(served: Served) -> None:
+    """Six 64 MiB request frames against a 1 MiB limit: each fails PayloadTooLarge, and the
+    worker's peak memory grows by far less than one of them (GETRANGE reads at most limit + 1)."""
+    pid = served.producer.workers(served.model)[0]["pid"]
+    before = _peak_rss(pid)
+    big = b"ORTQ" + b"\x00" * (64 << 20)
+    ids = [new_id() for _ in range(6)]
+    with served.r.pipeline(transaction=True) as pipe:
+        for job_id in ids:
+            pipe.set(keys.request_key(job_id), big, ex=600)
+            pipe.hset(keys.job_key(job_id), mapping=job_fields(served.model))  # type: ignore[arg-type]
+            pipe.rpush(keys.queue_key(served.model), job_id)
+        pipe.execute()
+    for job_id in ids:
+        served.failed_with(job_id, "PayloadTooLarge")
+    grown = _peak_rss(pid) - before
+    assert grown < 32 << 20, f"peak RSS grew by {grown >> 20} MiB for frames it must not read"
+
+
+def _peak_rss(pid: int) -> int:
+    """VmHWM: the process's peak resident memory so far, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")

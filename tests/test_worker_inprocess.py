@@ -1,0 +1,243 @@
+"""The worker's loop and scripts in-process: a real ``Worker`` (real session, real Redis) served
+from a thread of the test, and ortq.rqcompat's scripts called one by one, as dramatiq and arq test
+their workers. Quicker than a worker process, and each stage can be looked at on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import redis
+from rq.command import send_shutdown_command
+
+from ortq import keys, wire
+from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, InferenceFailed
+from ortq.localredis import LocalRedis
+from ortq.producer import Producer
+from ortq.rqcompat import layout
+from ortq.rqcompat.book import Book, Finished, Skipped, StartedJob
+from ortq.settings import Settings
+from ortq.worker.loop import Worker
+from ortq.worker.serve import WorkerConfig, build_worker
+from tests import onnx_models
+from tests.conftest import eventually
+from tests.test_fuzz import job_fields
+
+pytestmark = pytest.mark.rqcompat
+
+X = {"x": np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float32)}
+
+
+class Serving:
+    """A worker served from a thread; ``status`` is its exit status once it returned."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.status: int | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.status = self.worker.serve(handle_signals=False)
+
+    def stop(self, timeout: float = 15) -> int | None:
+        self.worker.request_stop()
+        self.thread.join(timeout)
+        return self.status
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return Settings.from_url(redis_url, heartbeat_seconds=0.5)
+
+
+def make_worker(model_path: Path, name: str, settings: Settings, **options: object) -> Worker:
+    return build_worker(WorkerConfig(model_path, name, threads=1, **options), settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def serving(tiny_path: Path, model_name: str, settings: Settings) -> Iterator[Serving]:
+    running = Serving(make_worker(tiny_path, model_name, settings))
+    with Producer(settings=settings) as producer:
+        producer.wait_for_workers(model_name, 1, timeout=30)
+    yield running
+    running.stop()
+
+
+def test_it_serves_jobs_and_a_stop_request_ends_it_with_status_0(
+    serving: Serving, producer: Producer, model_name: str, tiny_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "ortq.worker")
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    outputs = producer.infer(model_name, X, timeout=10)
+    np.testing.assert_array_equal(outputs["y"], session.run(None, X)[0])
+    assert serving.stop() == 0
+    assert producer.workers(model_name) == []
+    # It says which Redis it served (never with a password) and that it stopped, and why.
+    name = serving.worker.name
+    assert f"worker {name} stopped (exit status 0)" in caplog.text
+
+
+def test_the_worker_logs_its_redis_without_the_password(
+    tiny_path: Path, model_name: str, redis_server: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "ortq.worker")
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "logged", "on", ">s3cret-pass", "~*", "&*", "+@all")
+    url = f"redis://logged:s3cret-pass@127.0.0.1:{redis_server.port}/0"
+    settings = Settings.from_url(url, heartbeat_seconds=0.5)
+    running = Serving(make_worker(tiny_path, model_name, settings))
+    try:
+        eventually(lambda: "serving model" in caplog.text)
+    finally:
+        assert running.stop() == 0
+        admin.execute_command("ACL", "DELUSER", "logged")
+    assert f"from Redis at redis://logged@127.0.0.1:{redis_server.port}/0" in caplog.text
+    assert "s3cret-pass" not in caplog.text
+
+
+def test_rqs_shutdown_command_is_a_warm_stop(serving: Serving, producer: Producer, model_name: str) -> None:
+    send_shutdown_command(producer.connection, serving.worker.name)
+    serving.thread.join(15)
+    assert serving.status == 0
+
+
+def test_an_unexpected_error_ends_it_with_status_1(
+    tiny_path: Path, model_name: str, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tiny_path, model_name, settings)
+
+    def broken(block: bool) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(worker.intake, "take", broken)
+    assert worker.serve(handle_signals=False) == EXIT_CRASHED
+
+
+def test_burst_ends_with_status_0_once_the_queue_is_empty(
+    producer: Producer, tiny_path: Path, model_name: str, settings: Settings
+) -> None:
+    producer.allow_unknown_models = True
+    jobs = producer.submit_many(model_name, [X, X, X])
+    worker = make_worker(tiny_path, model_name, settings, burst=True)
+    assert worker.serve(handle_signals=False) == 0
+    assert all(job.status() == "finished" for job in jobs)
+
+
+def test_a_lost_device_requeues_the_batch_and_ends_it_with_status_75(
+    producer: Producer, models_dir: Path, model_name: str, settings: Settings
+) -> None:
+    gather = onnx_models.gather_model(models_dir / "gather.onnx")
+    producer.allow_unknown_models = True
+    job = producer.submit(model_name, {"idx": np.array([9])})  # out of range: the run itself fails
+    worker = make_worker(gather, model_name, settings, device_lost_pattern="out of bounds|invalid")
+    assert worker.serve(handle_signals=False) == EXIT_DEVICE_LOST
+    assert job.status() == "queued"
+    assert producer.connection.lrange(keys.queue_key(model_name), 0, -1) == [job.id.encode()]
+
+
+def test_a_failed_job_is_answered_and_the_worker_goes_on(serving: Serving, producer: Producer, model_name: str) -> None:
+    with pytest.raises(InferenceFailed, match="InvalidInput"):
+        Producer(settings=producer.settings, validate=False).infer(model_name, {"x": np.ones((1, 5), np.float32)})
+    producer.infer(model_name, X, timeout=10)
+    assert serving.status is None  # still serving
+
+
+# ------------------------------------------------------------------ the scripts, one by one
+
+
+@pytest.fixture
+def book(connection: redis.Redis, model_name: str) -> Book:
+    return Book(connection, f"w-{uuid.uuid4().hex[:8]}", keys.queue_name(model_name))
+
+
+def push(connection: redis.Redis, model: str, job_id: str) -> None:
+    connection.hset(keys.job_key(job_id), mapping=job_fields(model))  # type: ignore[arg-type]
+    connection.set(keys.request_key(job_id), wire.encode_request(X))
+    connection.rpush(keys.queue_key(model), job_id)
+
+
+def start(connection: redis.Redis, book: Book, more: int = 0) -> tuple[list[StartedJob], list[Skipped]]:
+    raw = connection.lmove(book.queue.queue, book.queue.intermediate)
+    assert isinstance(raw, bytes)
+    with connection.pipeline(transaction=False) as pipe:
+        moment = book.queue_start(pipe, raw, more)
+        [reply] = pipe.execute()
+    started, skipped = book.parse_start(reply, moment)
+    return started, skipped
+
+
+def test_start_takes_a_batch_in_order_and_reports_frame_sizes(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for job_id in ids:
+        push(connection, model_name, job_id)
+    started, skipped = start(connection, book, more=5)
+    assert [s.job_id for s in started] == ids and skipped == []
+    assert all(s.frame_size == len(wire.encode_request(X)) for s in started)
+    assert connection.llen(book.queue.intermediate) == 0
+    assert connection.zcard(book.queue.started) == 3
+
+
+def test_a_second_entry_of_a_started_job_is_skipped(connection: redis.Redis, book: Book, model_name: str) -> None:
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    connection.rpush(keys.queue_key(model_name), job_id)
+    start(connection, book)
+    second, skipped = start(connection, book)
+    assert second == [] and [(s.entry, s.reason) for s in skipped] == [(job_id.encode(), "status:started")]
+    assert connection.zcard(book.queue.started) == 1
+
+
+def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book: Book, model_name: str) -> None:
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    [started], _ = start(connection, book)
+    outcome = book.recover(job_id, started.execution_id, book.worker_name, 2, 60, b"err", "WorkerLost: test")
+    assert outcome == "requeued"
+    frame = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
+    assert book.finish([Finished(started, frame, 60, b"\x80")]) == 0
+    assert not connection.exists(keys.reply_key(job_id))
+    assert connection.hget(keys.job_key(job_id), "status") == b"queued"
+
+
+def test_the_rescue_is_bounded_per_call(connection: redis.Redis, book: Book) -> None:
+    connection.rpush(book.queue.intermediate, *[f"forged-{i}" for i in range(2500)])
+    rescued, removed, full = book.rescue(grace=60, limit=1000)
+    assert (rescued, removed, full) == ([], 1000, True)
+    assert connection.llen(book.queue.intermediate) == 1500
+
+
+def test_a_queued_job_left_in_the_intermediate_list_is_rescued_after_its_grace(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    connection.lmove(book.queue.queue, book.queue.intermediate)  # a BLMOVE whose reply was lost
+    assert book.rescue(grace=0.2) == ([], 0, False)  # first seen: kept
+    time.sleep(0.3)
+    assert book.rescue(grace=0.2) == ([job_id], 0, False)
+    assert connection.lrange(book.queue.queue, 0, -1) == [job_id.encode()]
+
+
+def test_due_retries_go_back_once(connection: redis.Redis, book: Book, model_name: str) -> None:
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    connection.lpop(book.queue.queue)
+    connection.hset(keys.job_key(job_id), "status", "scheduled")
+    connection.zadd(book.queue.scheduled, {job_id: time.time() - 1, "forged": time.time() - 1})
+    assert book.due_retries() == 1
+    assert book.due_retries() == 0
+    assert connection.lrange(book.queue.queue, 0, -1) == [job_id.encode()]
+    assert connection.zcard(book.queue.scheduled) == 0
+    eventually(lambda: connection.hget(keys.job_key(job_id), "status") == b"queued")
+    assert layout.QueueKeys.of(book.queue.name).scheduled == book.queue.scheduled

@@ -58,8 +58,8 @@ PRODUCER_RULES = (
 WORKER_RULES = (
     "resetchannels &rq:pubsub:* resetkeys ~rq:* ~ortq:* -@all +ping +select +client|setname +client|info "
     "+multi +exec +discard +evalsha +script|load +script|exists +function|list +function|load "
-    "+type +exists +get +getrange +strlen +set +del +expire +persist "
-    "+rpush +lpush +lrem +lrange +ltrim +lmove +blmove +llen "
+    "+type +exists +get +getrange +strlen +set +del +expire +persist +object|encoding +memory|usage "
+    "+rpush +lpush +lpop +lrem +lrange +ltrim +lmove +blmove +llen "
     "+hset +hget +hmget +hdel +hexists +hlen +hstrlen +sadd +srem +srandmember "
     "+zadd +zrem +zscore +zrange +zrangebyscore +zremrangebyscore +xadd +subscribe +unsubscribe"
 )
@@ -249,7 +249,7 @@ def test_jobs_run_end_to_end_over_tls_as_the_producer_and_worker_users(
     outputs = [single, *producer.results([*jobs, urgent], timeout=30)]
     for idx, got in zip(idxs, outputs, strict=True):
         np.testing.assert_array_equal(got["y"], session.run(None, {"idx": idx})[0])
-    assert tls_redis.admin.info("commandstats")["cmdstat_lmove"]["calls"] > 0  # a batch was taken
+    assert tls_redis.admin.info("commandstats")["cmdstat_lpop"]["calls"] > 0  # a batch was taken (start.lua pops)
 
     unchecked = Producer(settings=Settings.from_url(tls_redis.url("ortq-producer")), validate=False)
     bad = unchecked.submit(served, {"nope": idxs[0]})

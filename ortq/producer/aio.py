@@ -33,19 +33,8 @@ from ortq.signature import ModelSignature
 log = logging.getLogger("ortq")
 
 
-class AsyncInferenceJob:
+class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     """A submitted job: ``await job.result()`` for its outputs, ``await job.status()`` to look at it."""
-
-    def __init__(self, producer: AsyncProducer, job_id: str, model: str, nonce: bytes | None = None) -> None:
-        self.producer = producer
-        self.id = job_id
-        self.model = model
-        #: The random bytes its request carried; its response must echo them (None: not checked,
-        #: for a handle on a job submitted elsewhere).
-        self.nonce = nonce
-
-    def __repr__(self) -> str:
-        return f"AsyncInferenceJob(id={self.id!r}, model={self.model!r})"
 
     async def status(self) -> str:
         """RQ's status of the job (queued, started, finished, failed, canceled, ...); JobNotFound

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 from uuid import uuid4
 
 import redis
@@ -26,6 +26,24 @@ from ortq.serializer import MsgpackSerializer
 #: The longest ttl, job_timeout or retry interval a job hash holds: a year, the most a worker takes
 #: from one (``ortq.rqjob.MAX_SECONDS``; a test keeps the two equal).
 MAX_SECONDS = 365 * 24 * 3600
+
+P = TypeVar("P")
+
+
+class JobHandle(Generic[P]):
+    """What every job handle holds: its producer, its id and model, and the random bytes its
+    request carried, which its response must echo (None: not checked, for a handle on a job
+    submitted elsewhere)."""
+
+    def __init__(self, producer: P, job_id: str, model: str, nonce: bytes | None = None) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.model = model
+        self.nonce = nonce
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, model={self.model!r})"
+
 
 #: Job priorities. High-priority jobs go ahead of every normal one in the model's one RQ queue
 #: (so RQ's registries and views stay whole), first come first served among themselves.

@@ -22,23 +22,14 @@ from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
-#: Most reply streams one XREAD names (the rest are read by the next ones).
-_XREAD_STREAMS = 256
+#: Most reply streams one XREAD names: the oldest pending jobs (replies mostly come in order; the
+#: others are read as the window moves on). A wide window costs every wake-up as many keys sent and
+#: looked up, for each of the jobs still pending: quadratic in a large drain.
+_XREAD_STREAMS = 16
 
 
-class InferenceJob:
+class InferenceJob(enqueue.JobHandle["Producer"]):
     """A submitted job: wait for its outputs with :meth:`result`, look at it with :meth:`status`."""
-
-    def __init__(self, producer: Producer, job_id: str, model: str, nonce: bytes | None = None) -> None:
-        self.producer = producer
-        self.id = job_id
-        self.model = model
-        #: The random bytes its request carried; its response must echo them (None: not checked,
-        #: for a handle on a job submitted elsewhere).
-        self.nonce = nonce
-
-    def __repr__(self) -> str:
-        return f"InferenceJob(id={self.id!r}, model={self.model!r})"
 
     def status(self) -> str:
         """RQ's status of the job: queued, started, finished, failed, canceled, ...

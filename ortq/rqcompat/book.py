@@ -42,7 +42,6 @@ JOB_FIELDS = (
     "status",
     "data",
     "enqueued_at",
-    "created_at",
     "timeout",
     "ttl",
     "result_ttl",
@@ -52,8 +51,6 @@ JOB_FIELDS = (
     "success_callback_name",
     "failure_callback_name",
     "stopped_callback_name",
-    "ortq_recoveries",
-    "origin",
 )
 
 #: How long a started job's records live unless refreshed, for a job without a timeout: RQ's
@@ -87,6 +84,8 @@ class StartedJob:
     started_at: datetime
     #: The size of its request frame: -1 when there is no request key, -2 when it is no string.
     frame_size: int
+    #: The frame itself when start.lua returned it (a batch's small frames), else None.
+    frame: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -147,20 +146,22 @@ class Book:
 
     # ------------------------------------------------------------------ one job's path
 
-    def queue_start(self, pipe: Any, first_id: bytes, more: int) -> datetime:
+    def queue_start(self, pipe: Any, first_id: bytes, more: int, inline: int = 0) -> datetime:
         """Queue on ``pipe`` the start of ``first_id`` (already in the intermediate list) and of
-        up to ``more`` jobs popped after it; ``parse_start`` reads the reply."""
+        up to ``more`` jobs popped after it; ``parse_start`` reads the reply. The request frames
+        of those others come back with it when at most ``inline`` bytes."""
         moment = utcnow()
         executions = [uuid4().hex for _ in range(1 + more)]  # RQ's execution ids
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
-        self._call("start", [*args, first_id, *executions], client=pipe)
+        self._call("start", [*args, inline, first_id, *executions], client=pipe)
         return moment
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
         started_raw, skipped_raw = reply
         started = []
-        for job_id, execution, values, oversized, ttl, frame_size in started_raw:
-            fields = {name.encode(): v for name, v in zip(JOB_FIELDS, values, strict=True) if v}
+        for job_id, execution, values, oversized, ttl, frame_size, frame in started_raw:
+            # An oversized field leaves no values at all (nothing was read): the job is failed for it.
+            fields = {name.encode(): v for name, v in zip(JOB_FIELDS, values, strict=False) if v}
             started.append(
                 StartedJob(
                     keys.as_text(job_id),
@@ -170,6 +171,7 @@ class Book:
                     int(ttl),
                     moment,
                     int(frame_size),
+                    frame if isinstance(frame, bytes) else None,
                 )
             )
         # A reason quotes a status read from the job hash: any bytes at all.

@@ -85,7 +85,8 @@ class Beat:
                 if now >= next_upkeep:
                     next_upkeep = now + 1.0
                     self._guarded("upkeep", lambda: self._upkeep(connection))
-                wait = max(0.01, min(next_beat, next_upkeep) - time.monotonic())
+                # Short waits: a stop request (the worker's exit) is seen within a quarter second.
+                wait = max(0.01, min(next_beat, next_upkeep, time.monotonic() + 0.25) - time.monotonic())
                 pubsub = self._listen(connection, pubsub, wait)
         finally:
             if pubsub is not None:

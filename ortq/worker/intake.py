@@ -27,6 +27,10 @@ from ortq.settings import Settings
 
 log = logging.getLogger("ortq.worker")
 
+#: Request frames of a batch up to this size come back inside the start script's reply (one round
+#: trip fewer); larger ones are read with GETRANGE, which copies them once instead of through Lua.
+INLINE_FRAME_BYTES = 64 * 1024
+
 
 @dataclass(frozen=True)
 class Taken:
@@ -84,7 +88,7 @@ class Intake:
         limit = self.settings.max_frame_bytes
         first_text = first.decode(errors="replace")
         with self.connection.pipeline(transaction=False) as pipe:
-            moment = self.book.queue_start(pipe, first, more)
+            moment = self.book.queue_start(pipe, first, more, inline=min(limit, INLINE_FRAME_BYTES))
             pipe.getrange(keys.request_key(first_text), 0, limit)
             reply, first_frame = pipe.execute(raise_on_error=False)
         if isinstance(reply, Exception):
@@ -95,8 +99,9 @@ class Intake:
         frames: dict[str, object] = {}
         if started and started[0].job_id == first_text:
             frames[first_text] = first_frame
-        # The others' frames, except those too large to read (start.lua gave their sizes).
-        rest = [job for job in started[len(frames) :] if 0 <= job.frame_size <= limit]
+        frames.update((job.job_id, job.frame) for job in started if job.frame is not None)
+        # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
+        rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]
         if rest:
             with self.connection.pipeline(transaction=False) as pipe:
                 for job in rest:

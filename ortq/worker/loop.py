@@ -14,7 +14,6 @@ when the GPU went away, EXIT_CRASHED for anything else.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -40,7 +39,6 @@ from ortq.errors import (
 from ortq.metrics import WorkerMetrics
 from ortq.producer.priority import ensure_functions
 from ortq.rqcompat.book import Book, Finished, Retry, StartedJob
-from ortq.rqcompat.records import WorkerRecords
 from ortq.rqjob import MAX_SECONDS, JobRecord
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import REDIS_DOWN, Settings, redacted_url
@@ -49,6 +47,7 @@ from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
 from ortq.worker.intake import Intake, Taken
+from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.upkeep import Upkeep, despite_outage
 
@@ -96,16 +95,11 @@ class Worker:
         self.queue_name = keys.queue_name(identity.model)
         self.connection = settings.connect()
         self.book = Book(self.connection, name, self.queue_name)
-        self.records = WorkerRecords(name, self.queue_name)
+        self.presence = Presence(name, self.queue_name, identity, model.signature, settings)
         self.intake = Intake(self.connection, self.book, settings, max_batch, max_wait_ms / 1000)
         self.upkeep = Upkeep(self.book, settings)
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
         self.stop_requested = threading.Event()
-        self.state = "started"
-        #: The jobs the main thread holds (started, not yet answered), for the heartbeat thread.
-        self._running: list[StartedJob] = []
-        self._lock = threading.Lock()
-        self._signature_json = json.dumps({"model": identity.model, **model.signature.to_json()})
         self._beat_upkeep: Upkeep | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -116,7 +110,7 @@ class Worker:
         thread can install them (tests serve from another thread and call request_stop)."""
         if handle_signals:
             self._install_signal_handlers()
-        self.records.register_birth(self.connection)
+        self.presence.register(self.connection)
         ensure_functions(self.connection)  # before producers see this worker: their FCALLs then work
         beat = Beat(
             lambda: self.settings.connect(check=False),
@@ -144,7 +138,7 @@ class Worker:
         finally:
             self._ready(False)
             beat.stop()
-            self._unregister()
+            self.presence.unregister(self.connection)
         log.info("worker %s stopped (exit status %d)", self.name, status)
         return status
 
@@ -160,59 +154,14 @@ class Worker:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self.request_stop)
 
-    def _unregister(self) -> None:
-        try:
-            self.records.register_death(self.connection)
-            with self.connection.pipeline(transaction=False) as pipe:
-                pipe.delete(keys.worker_key(self.name))
-                pipe.srem(keys.WORKERS_SET, self.name)
-                pipe.execute()
-        except redis.RedisError as exc:
-            log.warning("could not unregister (%s); the records expire by themselves", exc)
-
     def _ready(self, ready: bool) -> None:
         if self.metrics is not None:
             self.metrics.set_ready(ready and not self.stop_requested.is_set())
 
     # ------------------------------------------------------------------ the heartbeat thread's work
 
-    def record(self) -> dict[str, Any]:
-        """ortq's record of this worker (``ortq:worker:<name>``)."""
-        ident = self.identity
-        return {
-            "name": self.name,
-            "model": ident.model,
-            "model_path": ident.model_path,
-            "provider": ident.provider,
-            "device_id": ident.device_id,
-            "fell_back_to_cpu": ident.fell_back_to_cpu,
-            "host": ident.host,
-            "pid": ident.pid,
-            "queue": self.queue_name,
-            "state": self.state,
-            "signature": self.model.signature.to_json(),
-            **ident.extra,
-        }
-
     def _heartbeat(self, connection: redis.Redis) -> None:
-        """RQ's heartbeat of the worker and of the jobs it runs, and ortq's records; one round trip."""
-        with self._lock:
-            running = list(self._running)
-        with connection.pipeline(transaction=False) as pipe:
-            index = self.records.queue_heartbeat(pipe, running)
-            pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)
-            registered = len(pipe)
-            pipe.sadd(keys.WORKERS_SET, self.name)
-            pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
-            results = pipe.execute(raise_on_error=False)
-        self.records.after_heartbeat(connection, results, index, running)
-        if isinstance(results[registered], redis.ResponseError):
-            # ortq:workers holds something else (written by someone else): it is ortq's, replace it.
-            log.error("%s was no set (%s); replacing it", keys.WORKERS_SET, results[registered])
-            with connection.pipeline() as pipe:
-                pipe.delete(keys.WORKERS_SET)
-                pipe.sadd(keys.WORKERS_SET, self.name)
-                pipe.execute()
+        self.presence.heartbeat(connection)
         self._ready(True)
 
     def _upkeep_beside(self, connection: redis.Redis) -> None:
@@ -276,18 +225,11 @@ class Worker:
         self._set_state("idle")
         taken = self.intake.take(block=not self.burst)
         if taken:
-            with self._lock:
-                self._running = [t.started for t in taken]
-            self.state = "busy"
+            self.presence.hold([t.started for t in taken])
         return taken
 
     def _set_state(self, state: str) -> None:
-        if state != self.state:
-            self.state = state
-            try:
-                self.records.set_state(self.connection, state)
-            except redis.ResponseError as exc:  # the worker's hash replaced by something else: the
-                log.error("setting the worker's state failed: %s", exc)  # next heartbeat rewrites it
+        self.presence.set_state(self.connection, state)
 
     def _process(self, taken: list[Taken]) -> None:
         """Stages 3-8 for one batch: check, group, run, split, reply, book-keep."""
@@ -304,9 +246,7 @@ class Worker:
                 despite_outage("delivering results", lambda: self.book.finish(finished))
             else:
                 despite_outage("going idle", lambda: self._set_state("idle"))
-            self.state = "idle"
-            with self._lock:
-                self._running = []
+            self.presence.release()
 
     def _check(self, taken: Taken) -> _Pending | None:
         """Stage 3: decode and check one job's request; fail the job (and return None) if it is bad."""

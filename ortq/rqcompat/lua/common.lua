@@ -57,26 +57,37 @@ local function answer(id, frame, ttl)
   redis.call('EXPIRE', reply, ttl)
 end
 
+-- A write to a key that anyone may have filled with another type: tried as it is, and only when
+-- Redis refuses it, the key is replaced and the write made again (cheaper than a TYPE each time).
+local function write(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then
+    redis.call('DEL', select(2, ...))
+    reply = redis.call(...)
+  end
+  return reply
+end
+
+-- Removals from a key that may hold another type: nothing to remove there, so an error is nothing.
+local function remove(...)
+  redis.pcall(...)
+end
+
 -- RQ's execution records of one run end: the execution hash, its entry in the job's executions,
 -- in the started registry and (RQ 3) in the worker's index of its executions.
 local function end_execution(queue, id, execution, worker)
   local composite = id .. ':' .. execution
   redis.call('DEL', PREFIX .. ':execution:' .. composite)
-  local executions = PREFIX .. ':executions:' .. id
-  if kind(executions) == 'zset' then redis.call('ZREM', executions, execution) end
-  local wip = wip_key(queue)
-  if kind(wip) == 'zset' then redis.call('ZREM', wip, composite) end
-  if RQ3 and worker ~= '' then
-    local index = worker_key(worker) .. ':executions'
-    if kind(index) == 'set' then redis.call('SREM', index, composite) end
-  end
+  remove('ZREM', PREFIX .. ':executions:' .. id, execution)
+  remove('ZREM', wip_key(queue), composite)
+  if RQ3 and worker ~= '' then remove('SREM', worker_key(worker) .. ':executions', composite) end
 end
 
 -- Is this execution still the job's? A job whose started entry is gone was taken back (its worker
 -- was thought dead) and belongs to its next execution: fencing for every answer.
 local function owns(queue, id, execution)
-  local wip = wip_key(queue)
-  return kind(wip) == 'zset' and redis.call('ZSCORE', wip, id .. ':' .. execution) ~= false
+  local score = redis.pcall('ZSCORE', wip_key(queue), id .. ':' .. execution)
+  return score ~= false and type(score) ~= 'table'
 end
 
 -- The worker hash after a run, as RQ's handle_job_success / handle_job_failure leave it; with a

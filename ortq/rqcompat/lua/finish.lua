@@ -14,26 +14,31 @@ end
 for _, b in ipairs(live) do
   answer(ARGV[b], ARGV[b + 2], ARGV[b + 3])
 end
-local working = 0
-local finished = PREFIX .. ':finished:' .. queue
-own(finished, 'zset')
+local working, finished, wip, index = 0, {}, {}, {}
 for _, b in ipairs(live) do
   local id, execution, ttl = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 3])
   local job = job_key(id)
-  if kind(job) == 'hash' then
-    redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[b + 5])
-    redis.call('EXPIRE', job, ttl)
-  end
+  local set = redis.pcall('HSET', job, 'status', 'finished', 'ended_at', ARGV[b + 5])
+  if type(set) ~= 'table' then redis.call('EXPIRE', job, ttl) end  -- an error: no job hash to keep
   redis.call('DEL', ORTQ .. 'req:' .. id)
   working = working + tonumber(ARGV[b + 4])
   local results = PREFIX .. ':results:' .. id
-  own(results, 'stream')
-  redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', worker,
-             'return_value', ARGV[b + 6], 'execution_id', execution,
-             'execution_started_at', ARGV[b + 7], 'execution_ended_at', ARGV[b + 8])
+  write('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', worker,
+        'return_value', ARGV[b + 6], 'execution_id', execution,
+        'execution_started_at', ARGV[b + 7], 'execution_ended_at', ARGV[b + 8])
   redis.call('EXPIRE', results, ttl)
-  redis.call('ZADD', finished, math.floor(tonumber(ARGV[b + 8])) + ttl, id)
-  end_execution(queue, id, execution, worker)
+  table.insert(finished, math.floor(tonumber(ARGV[b + 8])) + ttl)
+  table.insert(finished, id)
+  table.insert(wip, id .. ':' .. execution)
+  table.insert(index, id .. ':' .. execution)
+  redis.call('DEL', PREFIX .. ':execution:' .. id .. ':' .. execution)
+  remove('ZREM', PREFIX .. ':executions:' .. id, execution)
+end
+if #live > 0 then
+  -- What RQ writes per job, written once for the batch.
+  write('ZADD', PREFIX .. ':finished:' .. queue, unpack(finished))
+  remove('ZREM', wip_key(queue), unpack(wip))
+  if RQ3 then remove('SREM', worker_key(worker) .. ':executions', unpack(index)) end
 end
 worker_done(worker, 'successful_job_count', #live, working, ARGV[7])
 return #live

@@ -1,0 +1,125 @@
+"""What a worker shows of itself in Redis while it lives: RQ's worker records (ortq.rqcompat) and
+ortq's own (``ortq:worker:<name>``, ``ortq:workers``, the model's signature), with its state and the
+jobs it holds, refreshed by each heartbeat and removed when it stops.
+
+The main thread says what it holds (``hold``/``release``) and what it is doing (``set_state``);
+the heartbeat thread publishes it (``heartbeat``). A lock keeps the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from ortq import keys
+from ortq.rqcompat.book import StartedJob
+from ortq.rqcompat.records import WorkerRecords
+from ortq.settings import Settings
+from ortq.signature import ModelSignature
+from ortq.worker.identity import WorkerIdentity
+
+log = logging.getLogger("ortq.worker")
+
+
+class Presence:
+    """One worker's records, and the state and started jobs they show."""
+
+    def __init__(
+        self, name: str, queue_name: str, identity: WorkerIdentity, signature: ModelSignature, settings: Settings
+    ) -> None:
+        self.name = name
+        self.queue_name = queue_name
+        self.identity = identity
+        self.signature = signature
+        self.settings = settings
+        self.records = WorkerRecords(name, queue_name)
+        self.state = "started"
+        self._signature_json = json.dumps({"model": identity.model, **signature.to_json()})
+        self._running: list[StartedJob] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the main thread's side
+
+    def hold(self, jobs: Sequence[StartedJob]) -> None:
+        """The main thread has started ``jobs``: heartbeats keep their records fresh from now on."""
+        with self._lock:
+            self._running = list(jobs)
+        self.state = "busy"
+
+    def release(self) -> None:
+        """The main thread has answered every job it held."""
+        with self._lock:
+            self._running = []
+        self.state = "idle"
+
+    def set_state(self, connection: redis.Redis, state: str) -> None:
+        """RQ's worker state, written when it changes."""
+        if state == self.state:
+            return
+        self.state = state
+        try:
+            self.records.set_state(connection, state)
+        except redis.ResponseError as exc:  # the worker's hash replaced by something else: the next
+            log.error("setting the worker's state failed: %s", exc)  # heartbeat writes it again
+
+    # ------------------------------------------------------------------ the heartbeat thread's side
+
+    def record(self) -> dict[str, Any]:
+        """ortq's record of this worker (``ortq:worker:<name>``)."""
+        ident = self.identity
+        return {
+            "name": self.name,
+            "model": ident.model,
+            "model_path": ident.model_path,
+            "provider": ident.provider,
+            "device_id": ident.device_id,
+            "fell_back_to_cpu": ident.fell_back_to_cpu,
+            "host": ident.host,
+            "pid": ident.pid,
+            "queue": self.queue_name,
+            "state": self.state,
+            "signature": self.signature.to_json(),
+            **ident.extra,
+        }
+
+    def heartbeat(self, connection: redis.Redis) -> None:
+        """RQ's heartbeat of the worker and of the jobs it holds, and ortq's records; one round
+        trip. A record of the wrong type (written by someone else) is written again."""
+        with self._lock:
+            running = list(self._running)
+        with connection.pipeline(transaction=False) as pipe:
+            index = self.records.queue_heartbeat(pipe, running)
+            pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)
+            registered = len(pipe)
+            pipe.sadd(keys.WORKERS_SET, self.name)
+            pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
+            results = pipe.execute(raise_on_error=False)
+        self.records.after_heartbeat(connection, results, index, running)
+        if isinstance(results[registered], redis.ResponseError):
+            log.error("%s was no set (%s); replacing it", keys.WORKERS_SET, results[registered])
+            with connection.pipeline() as pipe:
+                pipe.delete(keys.WORKERS_SET)
+                pipe.sadd(keys.WORKERS_SET, self.name)
+                pipe.execute()
+
+    # ------------------------------------------------------------------ both ends
+
+    def register(self, connection: redis.Redis) -> None:
+        """RQ's birth of the worker (ortq's records follow with the first heartbeat)."""
+        self.records.register_birth(connection)
+
+    def unregister(self, connection: redis.Redis) -> None:
+        """RQ's death of the worker, and ortq's records gone; left to expire if Redis refuses."""
+        try:
+            self.records.register_death(connection)
+            with connection.pipeline(transaction=False) as pipe:
+                pipe.delete(keys.worker_key(self.name))
+                pipe.srem(keys.WORKERS_SET, self.name)
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("could not unregister (%s); the records expire by themselves", exc)

@@ -105,6 +105,23 @@ def _intervals(raw: bytes | None) -> tuple[int, ...]:
 
 
 def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
+    # Every job of a model carries the same few bytes here: the verdict is computed once for them.
+    key = (job_hash.get(b"data"), *(job_hash.get(name) for name in _CALLBACK_KEYS))
+    try:
+        return _VERDICTS[key]
+    except KeyError:
+        verdict = _verdict(job_hash)
+    if len(_VERDICTS) >= 64:  # forged jobs vary it at will: the cache stays small
+        _VERDICTS.clear()
+    _VERDICTS[key] = verdict
+    return verdict
+
+
+_CALLBACK_KEYS = tuple(name.encode() for name in _CALLBACK_FIELDS)
+_VERDICTS: dict[tuple[bytes | None, ...], str | None] = {}
+
+
+def _verdict(job_hash: Mapping[bytes, bytes]) -> str | None:
     try:
         func_name, instance, _args, _kwargs = MsgpackSerializer.loads(job_data(job_hash))
     except Exception as exc:  # anything a forged hash holds
@@ -135,6 +152,10 @@ MAX_DATA_BYTES = 64 * 1024
 def _int(raw: bytes | None) -> int | None:
     """A whole number of seconds (a fraction rounds up), capped at a year either way; None when
     absent or not a finite number."""
+    if raw is None:
+        return None
+    if raw.isdigit() and len(raw) < 8:  # what ortq's producers write: below the cap, no float to round
+        return int(raw)
     try:
         value = float(raw) if raw else None
     except ValueError:

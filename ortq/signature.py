@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -39,19 +40,33 @@ class TensorSpec:
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {self.dtype}[{dims}]"
 
+    @cached_property
+    def _expected(self) -> tuple[np.dtype[Any] | None, tuple[tuple[int, int], ...]]:
+        """The numpy dtype (None if numpy has no such name) and the (axis, size) of the fixed dims:
+        worked out once, as every job is checked against them."""
+        try:
+            dtype: np.dtype[Any] | None = np.dtype(self.dtype)
+        except TypeError:
+            dtype = None
+        fixed = tuple((axis, d) for axis, d in enumerate(self.shape) if isinstance(d, int) and d >= 0)
+        return dtype, fixed
+
     def check(self, array: np.ndarray) -> None:
         """Raise InvalidInput unless ``array`` has this spec's dtype, rank and fixed dims."""
-        if array.dtype.name != self.dtype:
+        dtype, fixed = self._expected
+        if array.dtype != dtype and array.dtype.name != self.dtype:  # the name: either byte order
             raise InvalidInput(f"input {self.name!r} has dtype {array.dtype.name}, the model expects {self.dtype}")
         if array.ndim != len(self.shape):
             raise InvalidInput(
                 f"input {self.name!r} has rank {array.ndim} (shape {list(array.shape)}), "
                 f"the model expects rank {len(self.shape)} ({self.describe()})"
             )
-        for axis, (got, want) in enumerate(zip(array.shape, self.shape, strict=True)):
-            if isinstance(want, int) and want >= 0 and got != want:
+        shape = array.shape
+        for axis, want in fixed:
+            if shape[axis] != want:
                 raise InvalidInput(
-                    f"input {self.name!r} has size {got} on axis {axis}, the model expects {want} ({self.describe()})"
+                    f"input {self.name!r} has size {shape[axis]} on axis {axis}, the model expects {want} "
+                    f"({self.describe()})"
                 )
 
 
@@ -62,17 +77,18 @@ class ModelSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
+    @cached_property
+    def _input_names(self) -> frozenset[str]:
+        return frozenset(spec.name for spec in self.inputs)
+
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
         """Raise InvalidInput unless ``inputs`` holds exactly the model's inputs, each fitting its spec."""
-        expected = {spec.name for spec in self.inputs}
-        missing = sorted(expected - inputs.keys())
-        unknown = sorted(inputs.keys() - expected)
-        if missing or unknown:
-            parts = []
-            if missing:
-                parts.append(f"missing {missing}")
-            if unknown:
-                parts.append(f"unknown {unknown}")
+        expected = self._input_names
+        if inputs.keys() != expected:
+            missing = sorted(expected - inputs.keys())
+            unknown = sorted(inputs.keys() - expected)
+            parts = [f"missing {missing}"] if missing else []
+            parts += [f"unknown {unknown}"] if unknown else []
             wanted = "; ".join(spec.describe() for spec in self.inputs)
             raise InvalidInput(f"inputs do not match the model: {', '.join(parts)} (the model takes {wanted})")
         for spec in self.inputs:

@@ -182,19 +182,21 @@ class Book:
         """Answer every job, then write what RQ writes for each finished job; one round trip.
         Returns how many were still this worker's to answer."""
         ended = utcnow()
+        ended_iso, ended_at = utcformat(ended), ended.timestamp()
         args: list[Any] = [self.queue.name, self.worker_name, state, len(jobs)]
         for job in jobs:
             started = job.started
+            started_at = started.started_at.timestamp()
             args += [
                 started.job_id,
                 started.execution_id,
                 job.frame,
                 job.ttl,
-                (ended - started.started_at).total_seconds(),
-                utcformat(ended),
-                b64encode(job.return_value).decode(),
-                started.started_at.timestamp(),
-                ended.timestamp(),
+                ended_at - started_at,
+                ended_iso,
+                b64encode(job.return_value),
+                started_at,
+                ended_at,
             ]
         return int(self._call("finish", args))
 

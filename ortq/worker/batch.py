@@ -46,18 +46,17 @@ def batch_key(inputs: Tensors) -> BatchKey:
 def group(items: Sequence[T], key: Callable[[T], BatchKey], max_rows: int, rows: Callable[[T], int]) -> list[list[T]]:
     """Compatible items together, in arrival order, at most ``max_rows`` rows a group (a single
     item with more rows than that is a group of its own)."""
-    open_groups: dict[BatchKey, list[T]] = {}
+    open_groups: dict[BatchKey, tuple[list[T], list[int]]] = {}  # the group, and its rows so far
     groups: list[list[T]] = []
     for item in items:
-        k = key(item)
+        k, n = key(item), rows(item)
         current = open_groups.get(k)
-        if current is not None and sum(rows(i) for i in current) + rows(item) > max_rows:
-            current = None
-        if current is None:
-            current = []
+        if current is None or current[1][0] + n > max_rows:
+            current = ([], [0])
             open_groups[k] = current
-            groups.append(current)
-        current.append(item)
+            groups.append(current[0])
+        current[0].append(item)
+        current[1][0] += n
     return groups
 
 

@@ -66,6 +66,9 @@ def main(verbose: bool) -> None:
   ortq worker --model model.onnx --name resnet --provider dml --adapter luid:0x000000000001a2b3
   ortq worker --model model.onnx --name resnet --provider cuda --adapter uuid:GPU-5f3c
   ortq worker --model model.onnx --name resnet --provider auto --policy max-efficiency
+  ortq worker --model model.onnx --name resnet --provider webgpu --adapter discrete
+  ortq worker --model model.onnx --name resnet --provider plugin --ep-library /opt/ep/libmy_ep.so --ep-name MyEP
+  ortq worker --model model.onnx --name resnet --provider winml --adapter npu
   ortq worker --model model.onnx --name resnet --provider cuda --max-batch 32 --max-wait-ms 2 --rows-independent
 """
 )
@@ -82,12 +85,28 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--provider",
-    type=click.Choice(["dml", "cuda", "cpu", "auto"]),
+    type=click.Choice(["dml", "cuda", "cpu", "auto", "webgpu", "plugin", "winml"]),
     default="cpu",
     envvar="ORTQ_PROVIDER",
     show_default=True,
-    help="DirectML (Windows only), CUDA (NVIDIA; Linux and Windows), the CPU, or ONNX Runtime's choice by "
-    "--policy (onnxruntime >= 1.23).",
+    help="DirectML (Windows only), CUDA (NVIDIA; Linux and Windows), the CPU, ONNX Runtime's choice by "
+    "--policy (onnxruntime >= 1.23), the WebGPU plugin EP (ortq[webgpu]: D3D12 on Windows, Vulkan on Linux), "
+    "any plugin EP (--ep-library), or Windows ML's EPs (ortq[winml]; Windows 11 24H2+).",
+)
+@click.option(
+    "--ep-library",
+    default=None,
+    envvar="ORTQ_EP_LIBRARY",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="--provider plugin: the execution provider's shared library (.so/.dll) to register with ONNX Runtime.",
+)
+@click.option(
+    "--ep-name",
+    default=None,
+    envvar="ORTQ_EP_NAME",
+    metavar="NAME",
+    help="--provider plugin: the EP's ONNX Runtime name (needed when the library has several); "
+    "--provider winml: only this EP of Windows ML's catalog.",
 )
 @click.option(
     "--adapter",
@@ -95,7 +114,8 @@ def main(verbose: bool) -> None:
     envvar="ORTQ_ADAPTER",
     metavar="SPEC",
     help="Which GPU: an index, luid:..., uuid:..., name:SUBSTRING, discrete, integrated, high-performance "
-    "or minimum-power (see `ortq adapters`). Resolved at every start. Default: index 0.",
+    "or minimum-power; for plugin EPs also npu, software, cpu (see `ortq adapters`). Resolved at every start. "
+    "Default: index 0 (plugin EPs: their first non-CPU device; webgpu: high-performance; winml: --policy).",
 )
 @click.option("--device-id", type=click.IntRange(min=0), default=None, help="Same as --adapter N.")
 @click.option(
@@ -103,7 +123,7 @@ def main(verbose: bool) -> None:
     type=click.Choice(["prefer-gpu", "max-performance", "max-efficiency", "min-overall-power"]),
     default="prefer-gpu",
     show_default=True,
-    help="ONNX Runtime's device-selection policy, for --provider auto.",
+    help="ONNX Runtime's device-selection policy, for --provider auto (and winml without --adapter).",
 )
 @click.option(
     "--allow-cpu-fallback",
@@ -172,6 +192,8 @@ def worker(
     model_path: Path,
     model_name: str,
     provider: str,
+    ep_library: Path | None,
+    ep_name: str | None,
     adapter: str | None,
     device_id: int | None,
     policy: str,
@@ -197,6 +219,8 @@ def worker(
         model_path=model_path,
         model_name=model_name,
         provider=provider,
+        ep_library=None if ep_library is None else str(ep_library),
+        ep_name=ep_name,
         adapter=str(device_id) if device_id is not None else adapter,
         policy=policy,
         allow_cpu_fallback=allow_cpu_fallback,
@@ -214,13 +238,25 @@ def worker(
     sys.exit(serve(config, _settings(redis_url)))
 
 
-@main.command(epilog="Examples:\n\n\b\n  ortq adapters\n  ortq adapters --json")
+@main.command(
+    epilog="Examples:\n\n\b\n  ortq adapters\n  ortq adapters --json\n"
+    "  ortq adapters --ep-library /opt/ep/libmy_ep.so   # also that plugin EP's devices"
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def adapters(as_json: bool) -> None:
+@click.option(
+    "--ep-library",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also list the devices of the plugin EP in this shared library.",
+)
+@click.option("--ep-name", default=None, metavar="NAME", help="With --ep-library: only this EP's devices.")
+def adapters(as_json: bool, ep_library: Path | None, ep_name: str | None) -> None:
     """List the adapters a worker could use, with the index each provider takes."""
     from ortq.worker.adapters import enumerate_adapters, format_table
 
-    found, notes = enumerate_adapters()
+    if ep_name is not None and ep_library is None:
+        raise click.UsageError("--ep-name needs --ep-library")
+    found, notes = enumerate_adapters(None if ep_library is None else str(ep_library), ep_name)
     if as_json:
         click.echo(json.dumps([a.to_json() for a in found], indent=2))
         return

@@ -10,16 +10,20 @@ matches no adapter or several.
 - CUDA: NVIDIA's NVML binding (``nvidia-ml-py``), in PCI bus order, renumbered through
   ``CUDA_VISIBLE_DEVICES``; the worker sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA numbers
   devices the same way.
+- WebGPU (``onnxruntime-ep-webgpu`` installed): the GPUs its Dawn picks from (``plugin_ep.py``).
+- Plugin EPs (``--ep-library``): the devices ONNX Runtime's ``get_ep_devices()`` gives them.
 - CPU: always one row.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ortq import tables
@@ -32,17 +36,17 @@ log = logging.getLogger("ortq.worker")
 DISCRETE_MIN_BYTES = 1024**3
 
 PREFERENCES = ("high-performance", "minimum-power")
-KINDS = ("discrete", "integrated")
+KINDS = ("discrete", "integrated", "npu", "software", "cpu")
 
 
 @dataclass(frozen=True)
 class Adapter:
     """One device a worker could run on, with the index its provider takes."""
 
-    provider: str  # "dml" | "cuda" | "cpu"
-    index: int | None  # DML/CUDA device_id; None for the CPU
+    provider: str  # "dml" | "cuda" | "webgpu" | "plugin" | "winml" | "cpu"
+    index: int | None  # DML/CUDA device_id, the position among a plugin EP's devices; None for the CPU
     name: str
-    kind: str  # "discrete" | "integrated" | "software" | "cpu"
+    kind: str  # "discrete" | "integrated" | "gpu" (not known which) | "npu" | "software" | "cpu"
     software: bool = False
     luid: str | None = None  # DXGI: "0x" + 16 hex digits (HighPart << 32 | LowPart)
     uuid: str | None = None  # NVML: "GPU-..."
@@ -52,6 +56,8 @@ class Adapter:
     #: Position in the system's high-performance / minimum-power order (DXGI), when known.
     high_performance_rank: int | None = None
     minimum_power_rank: int | None = None
+    #: The ONNX Runtime execution provider of a plugin EP's device.
+    ep_name: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +109,11 @@ def _dxgi_adapters(ort_devices: list[dict[str, str]] | None) -> list[Adapter]:
         )
     _cross_check(adapters, ort_devices)
     return adapters
+
+
+def dxgi_adapter_rows() -> list[Adapter]:
+    """The DXGI adapters as DirectML rows (OSError off Windows)."""
+    return _dxgi_adapters(ort_dml_device_metadata())
 
 
 def _cross_check(adapters: list[Adapter], ort_devices: list[dict[str, str]] | None) -> None:
@@ -215,8 +226,40 @@ def _cpu_adapter() -> Adapter:
     return Adapter(provider="cpu", index=None, name=name or "CPU", kind="cpu", memory_bytes=memory)
 
 
-def enumerate_adapters() -> tuple[list[Adapter], list[str]]:
-    """Every adapter found, and notes on what could not be enumerated (never raises)."""
+def _webgpu_adapters(notes: list[str]) -> list[Adapter]:
+    from ortq.errors import OrtqError
+    from ortq.worker import plugin_ep
+
+    if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
+        notes.append("no WebGPU adapters listed: onnxruntime-ep-webgpu is not installed (pip install 'ortq[webgpu]')")
+        return []
+    try:
+        if platform.system() == "Linux":
+            return plugin_ep.vulkan_adapters()
+        import onnxruntime
+
+        plugin_ep.register_webgpu(onnxruntime)
+        return plugin_ep.webgpu_adapters(onnxruntime)
+    except OrtqError as exc:
+        notes.append(f"WebGPU adapters not enumerated: {exc}")
+        return []
+
+
+def _plugin_adapters(library: str, ep_name: str | None) -> list[Adapter]:
+    """The devices of the plugin EP(s) in ``library`` (only ``ep_name``'s when given)."""
+    import onnxruntime
+
+    from ortq.worker import plugin_ep
+
+    before = {d.ep_name for d in onnxruntime.get_ep_devices()}
+    plugin_ep.register_library(onnxruntime, library, ep_name or Path(library).stem)
+    names = [ep_name] if ep_name else plugin_ep.library_ep_names(onnxruntime, before)
+    return [a for name in names for a in plugin_ep.plugin_adapters(onnxruntime, name, "plugin")]
+
+
+def enumerate_adapters(ep_library: str | None = None, ep_name: str | None = None) -> tuple[list[Adapter], list[str]]:
+    """Every adapter found, and notes on what could not be enumerated (never raises, except for
+    an ``ep_library`` that cannot be registered: that one was asked for by name)."""
     adapters: list[Adapter] = []
     notes: list[str] = []
     try:
@@ -226,6 +269,9 @@ def enumerate_adapters() -> tuple[list[Adapter], list[str]]:
     adapters += _nvml_adapters()
     if not any(a.provider == "cuda" for a in adapters):
         notes.append("no CUDA devices (no NVIDIA driver, no GPU visible, or nvidia-ml-py not installed)")
+    adapters += _webgpu_adapters(notes)
+    if ep_library is not None:
+        adapters += _plugin_adapters(ep_library, ep_name)
     adapters.append(_cpu_adapter())
     return adapters, notes
 
@@ -236,7 +282,7 @@ def enumerate_adapters() -> tuple[list[Adapter], list[str]]:
 def format_table(adapters: Sequence[Adapter]) -> str:
     rows = [
         (
-            a.provider,
+            f"{a.provider}:{a.ep_name}" if a.provider in ("plugin", "winml") else a.provider,
             a.index,
             a.name,
             a.kind,
@@ -281,7 +327,7 @@ def select_adapter(spec: str, adapters: Sequence[Adapter], provider: str) -> Ada
     low = spec.lower()
     if low in PREFERENCES:
         if not candidates:
-            raise AdapterNotFound(_explain(f"no {provider} adapter for {spec!r}", adapters))
+            raise AdapterNotFound(explain(f"no {provider} adapter for {spec!r}", adapters))
         return _by_preference(candidates, low)
     if spec.isdigit():
         matches = [a for a in candidates if a.index == int(spec)]
@@ -300,17 +346,17 @@ def select_adapter(spec: str, adapters: Sequence[Adapter], provider: str) -> Ada
     else:
         raise ConfigurationError(
             f"unknown adapter spec {spec!r}: use an index, luid:..., uuid:..., name:..., "
-            "discrete, integrated, high-performance or minimum-power"
+            "discrete, integrated, npu, software, cpu, high-performance or minimum-power"
         )
     if not matches:
-        raise AdapterNotFound(_explain(f"no {provider} adapter matches {spec!r}", adapters))
+        raise AdapterNotFound(explain(f"no {provider} adapter matches {spec!r}", adapters))
     if len(matches) > 1:
         message = f"{len(matches)} {provider} adapters match {spec!r}; be more specific"
-        raise AmbiguousAdapter(_explain(message, adapters))
+        raise AmbiguousAdapter(explain(message, adapters))
     return matches[0]
 
 
-def _explain(message: str, adapters: Sequence[Adapter]) -> str:
+def explain(message: str, adapters: Sequence[Adapter]) -> str:
     return f"{message}. Adapters on this machine:\n{format_table(adapters)}"
 
 

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -106,7 +106,8 @@ class Beat:
         so that the next call subscribes again)."""
         try:
             if pubsub is None:
-                pubsub = connection.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                # Any: redis-py's annotations of pubsub() differ between its releases.
+                pubsub = cast(Any, connection).pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self._channel)
             message = pubsub.get_message(timeout=wait)
         except (*REDIS_DOWN, redis.ResponseError) as exc:

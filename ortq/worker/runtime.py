@@ -8,6 +8,7 @@ has silently overwritten parts of the other. A worker refuses to start in that s
 from __future__ import annotations
 
 import importlib
+import platform
 from importlib import metadata
 from types import ModuleType
 
@@ -18,6 +19,9 @@ DISTRIBUTION_FOR_PROVIDER = {
     "dml": "onnxruntime-directml",
     "cuda": "onnxruntime-gpu",
     "cpu": "onnxruntime",
+    "webgpu": "onnxruntime",
+    "plugin": "onnxruntime",
+    "winml": "onnxruntime-windowsml",
 }
 
 
@@ -63,3 +67,51 @@ def import_onnxruntime(provider: str) -> ModuleType:
     """Check the installation, then import and return ``onnxruntime``."""
     check_single_runtime(provider)
     return importlib.import_module("onnxruntime")
+
+
+def platform_refusal(provider: str, system: str | None = None) -> str | None:
+    """Why ``provider`` cannot run on this operating system (``platform.system()``: "Windows",
+    "Linux", "Darwin") at all, and what to use there instead; None where it can run."""
+    system = system or platform.system()
+    os_name = {"Darwin": "macOS"}.get(system, system)
+    if provider == "dml" and system != "Windows":
+        instead = (
+            "--provider cuda for an NVIDIA GPU (pip install 'ortq[cuda]'), else --provider cpu"
+            if system == "Linux"
+            else "--provider cpu"
+        )
+        return f"DirectML (--provider dml) is Windows-only: onnxruntime-directml has no {os_name} build. Use {instead}"
+    if provider == "winml" and system != "Windows":
+        return (
+            f"Windows ML (--provider winml) is Windows-only (Windows 11 24H2 or later). On {os_name} use "
+            "--provider webgpu, a plugin EP (--provider plugin), cuda or cpu"
+        )
+    if provider == "cuda" and system not in ("Windows", "Linux"):
+        return (
+            f"CUDA (--provider cuda) does not run on {os_name}: NVIDIA's CUDA and onnxruntime-gpu exist only for "
+            "Linux and Windows. Use --provider cpu"
+        )
+    return None
+
+
+def install_advice(provider: str, system: str | None = None, installed: list[str] | None = None) -> str:
+    """How to get the ONNX Runtime build ``provider`` needs on this operating system, given the
+    distributions ``installed`` (only one may be: they share the ``onnxruntime`` package)."""
+    system = system or platform.system()
+    refusal = platform_refusal(provider, system)
+    if refusal is not None:
+        return refusal
+    installed = [name for name, _ in installed_runtimes()] if installed is None else installed
+    package = DISTRIBUTION_FOR_PROVIDER[provider]
+    if provider == "cuda" and system == "Linux":
+        get = "pip install 'ortq[cuda]'"
+    elif provider == "cuda":  # Windows: ortq[cuda] is Linux-only, onnxruntime-gpu is not
+        get = "pip install onnxruntime-gpu nvidia-ml-py"
+    else:
+        get = f"pip install {package}"
+    others = [name for name in installed if name != package]
+    swap = f"pip uninstall -y {' '.join(others)} && {get}" if others else get
+    advice = f"--provider {provider} needs the {package} package ({swap})"
+    if provider == "cuda" and system == "Windows":
+        advice += "; or --provider dml (onnxruntime-directml), which runs on NVIDIA GPUs too"
+    return advice

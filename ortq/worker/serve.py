@@ -17,6 +17,7 @@ from ortq import keys
 from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
 from ortq.metrics import WorkerMetrics, open_metrics_port
 from ortq.settings import Settings
+from ortq.worker import plugin_ep
 from ortq.worker.adapters import (
     PREFERENCES,
     enumerate_adapters,
@@ -26,20 +27,21 @@ from ortq.worker.adapters import (
 from ortq.worker.batch import check_batchable
 from ortq.worker.identity import WorkerIdentity
 from ortq.worker.loop import Worker
+from ortq.worker.runtime import import_onnxruntime, platform_refusal
 from ortq.worker.session import (
     AUTO_POLICIES,
     EXECUTION_PROVIDERS,
+    PLUGIN_PROVIDERS,
     LoadedModel,
     SessionPlan,
     canary,
     load_model,
-    platform_refusal,
     warm_up,
 )
 
 log = logging.getLogger("ortq.worker")
 
-PROVIDER_CHOICES = (*EXECUTION_PROVIDERS, "auto")
+PROVIDER_CHOICES = (*EXECUTION_PROVIDERS, "auto", *PLUGIN_PROVIDERS)
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,14 @@ class WorkerConfig:
     model_path: Path
     model_name: str
     provider: str = "cpu"
-    #: Which adapter (see ortq.worker.adapters.select_adapter); None means adapter index 0.
+    #: Which adapter (see ortq.worker.adapters.select_adapter); None means adapter index 0 (a plugin
+    #: EP's first device that is not the CPU; for webgpu, Dawn's high-performance choice; for winml,
+    #: ONNX Runtime's choice by ``policy``).
     adapter: str | None = None
+    #: --provider plugin: the EP's shared library and its ONNX Runtime name (optional where the
+    #: library registers one EP); --provider winml: only this EP of Windows ML's catalog.
+    ep_library: str | None = None
+    ep_name: str | None = None
     allow_cpu_fallback: bool = False
     policy: str = "prefer-gpu"
     threads: int | None = None
@@ -84,6 +92,10 @@ class WorkerConfig:
             raise ConfigurationError(f"unknown policy {self.policy!r}; choose one of {', '.join(AUTO_POLICIES)}")
         if self.adapter is not None and self.provider in ("cpu", "auto"):
             raise ConfigurationError(f"--adapter does not apply to --provider {self.provider}")
+        if (self.provider == "plugin") != (self.ep_library is not None):
+            raise ConfigurationError("--provider plugin needs --ep-library PATH; --ep-library needs --provider plugin")
+        if self.ep_name is not None and self.provider not in ("plugin", "winml"):
+            raise ConfigurationError(f"--ep-name applies to --provider plugin and winml, not {self.provider}")
         if self.max_batch < 1 or self.max_wait_ms < 0:
             raise ConfigurationError(
                 f"need max_batch >= 1 and max_wait_ms >= 0, got {self.max_batch}, {self.max_wait_ms}"
@@ -109,6 +121,13 @@ def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | No
     base = SessionPlan(config.provider, None, config.threads, config.allow_cpu_fallback, policy=config.policy)
     if config.provider in ("cpu", "auto"):
         return base, None
+    if config.provider in PLUGIN_PROVIDERS:
+        try:
+            return _resolve_plugin(config, base)
+        except ProviderUnavailable as exc:
+            if not config.allow_cpu_fallback:
+                raise
+            return replace(base, unavailable=str(exc)), None
     spec = config.adapter or "0"
     adapters, notes = enumerate_adapters()
     if any(a.provider == config.provider for a in adapters):
@@ -128,6 +147,60 @@ def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | No
         raise ProviderUnavailable(refusal)
     hint = " (or one of: " + ", ".join(PREFERENCES) + ")" if config.provider == "dml" else ""
     raise AdapterNotFound(f"cannot resolve --adapter {spec!r}: {why}; use an index{hint}")
+
+
+def _resolve_plugin(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPlan, dict[str, Any] | None]:
+    """Register the plugin EP's library, list its devices, and choose one by ``config.adapter``."""
+    refusal = platform_refusal(config.provider)
+    if refusal is not None:
+        raise ProviderUnavailable(refusal)
+    ort = import_onnxruntime(config.provider)
+    if config.provider == "webgpu":
+        plugin_ep.register_webgpu(ort)
+        adapter, preference = plugin_ep.resolve_webgpu(config.adapter, plugin_ep.webgpu_adapters(ort))
+        devices = plugin_ep.ep_devices(ort, plugin_ep.WEBGPU_EP)
+        if not devices:
+            raise ProviderUnavailable(f"the WebGPU EP offers no device for {adapter.name}: get_ep_devices() lists none")
+        if adapter.software:
+            log.warning("WebGPU runs on %s, a software Vulkan driver on the CPU: correct, not fast", adapter.name)
+        plan = replace(
+            base,
+            ep_name=plugin_ep.WEBGPU_EP,
+            libraries=(("ortq-webgpu", plugin_ep.webgpu_library()),),
+            ep_device=0,  # the EP takes one device and leaves the GPU to Dawn's power preference
+            config_entries=((plugin_ep.WEBGPU_POWER_PREFERENCE, plugin_ep.DAWN_PREFERENCE[preference]),),
+        )
+        return plan, {**adapter.to_json(), "power_preference": preference, "chosen_by": "Dawn, by power preference"}
+    if config.provider == "winml":
+        from ortq.worker import winml
+
+        libraries, choice = winml.resolve_winml(ort, config.adapter, config.ep_name)
+        if choice is None:  # ONNX Runtime chooses among the registered EPs by --policy
+            record = {"policy": config.policy, "registered": [n for n, _ in libraries]}
+            return replace(base, libraries=libraries), record
+        adapter, index = choice
+        plan = replace(base, ep_name=adapter.ep_name, libraries=libraries, ep_device=index)
+        return plan, {**adapter.to_json(), "registered": [n for n, _ in libraries]}
+    library = str(config.ep_library)
+    before = {d.ep_name for d in ort.get_ep_devices()}
+    registration = config.ep_name or Path(library).stem
+    plugin_ep.register_library(ort, library, registration)
+    ep_name = config.ep_name
+    if ep_name is None:
+        names = plugin_ep.library_ep_names(ort, before)
+        if len(names) != 1:
+            raise ConfigurationError(f"{library} offers the EPs {names}: say which with --ep-name")
+        ep_name = names[0]
+    if ep_name not in {d.ep_name for d in ort.get_ep_devices()}:
+        offered = plugin_ep.library_ep_names(ort, before) or "none new"
+        raise ConfigurationError(f"no device of an EP named {ep_name!r} after registering {library} ({offered})")
+    adapters = plugin_ep.plugin_adapters(ort, ep_name, "plugin")
+    if config.adapter is not None:
+        adapter = select_adapter(config.adapter, adapters, "plugin")
+    else:
+        adapter = plugin_ep.default_plugin_adapter(adapters, ep_name)
+    plan = replace(base, ep_name=ep_name, libraries=((registration, library),), ep_device=adapter.index)
+    return plan, {**adapter.to_json(), "ep_library": library}
 
 
 def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
@@ -161,6 +234,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "requested_provider": config.provider,
             "adapter": adapter,
             "canary": check,
+            "nodes": model.placement,
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
         },

@@ -4,14 +4,19 @@ Rules from the DirectML guide that shape this module:
 - DML needs ``enable_mem_pattern=False`` and sequential execution, always;
 - ``device_id`` is always passed, since the default adapter lookup can silently end up on the CPU;
 - ONNX Runtime drops a provider it cannot create and runs on the CPU; ortq checks
-  ``get_providers()`` and refuses unless the CPU was explicitly allowed.
+  ``get_providers()`` and refuses unless the CPU was explicitly allowed;
+- an EP that was created can still take none of the model's nodes (all of them left to the CPU):
+  where ONNX Runtime records the assignment (>= 1.24), ortq counts the nodes each EP took,
+  refuses a session whose requested EP took none, and publishes the counts.
+
+Plugin EPs (``webgpu``, ``plugin``, ``winml``) are added to the session options by
+``plugin_ep.add_plugin_provider`` from the plan: their libraries, the EP device, config entries.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +27,8 @@ import numpy as np
 
 from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
-from ortq.worker.runtime import DISTRIBUTION_FOR_PROVIDER, import_onnxruntime, installed_runtimes
+from ortq.worker.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
+from ortq.worker.runtime import import_onnxruntime, install_advice, platform_refusal
 
 log = logging.getLogger("ortq.worker")
 
@@ -32,6 +38,8 @@ EXECUTION_PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "cpu": "CPUExecutionProvider",
 }
+#: Providers reached through ONNX Runtime's plugin-EP API (plugin_ep.py, winml.py).
+PLUGIN_PROVIDERS = ("webgpu", "plugin", "winml")
 
 #: ONNX tensor element types ortq carries, as ONNX Runtime spells them, to numpy dtype names.
 ORT_TENSOR_TYPES = {
@@ -63,16 +71,32 @@ AUTO_POLICIES = {
 class SessionPlan:
     """Everything needed to create the session, decided before ONNX Runtime is touched."""
 
-    provider: str  # "dml" | "cuda" | "cpu" | "auto"
+    provider: str  # "dml" | "cuda" | "cpu" | "auto" | "webgpu" | "plugin" | "winml"
     device_id: int | None
     threads: int | None
     allow_cpu_fallback: bool
     #: More provider options: DML's performance_preference/device_filter when DXGI could not
-    #: enumerate adapters and DirectML chooses by preference (device_id is then None).
+    #: enumerate adapters and DirectML chooses by preference (device_id is then None); a plugin
+    #: EP's provider options.
     extra_options: tuple[tuple[str, str], ...] = ()
-    policy: str = "prefer-gpu"  # for provider "auto"
+    policy: str = "prefer-gpu"  # for provider "auto" (and "winml" without an EP device)
+    #: Plugin EPs: the EP, the libraries to register first (registration name, path), which of the
+    #: EP's devices (its index in get_ep_devices()), session config entries (the WebGPU EP's power
+    #: preference), and why it cannot run, when that was found while resolving the adapter.
+    ep_name: str | None = None
+    libraries: tuple[tuple[str, str], ...] = ()
+    ep_device: int | None = None
+    config_entries: tuple[tuple[str, str], ...] = ()
+    unavailable: str | None = None
+
+    @property
+    def wanted_ep(self) -> str | None:
+        """The ONNX Runtime EP the session must run on; None where ONNX Runtime chooses."""
+        return EXECUTION_PROVIDERS.get(self.provider) or self.ep_name
 
     def provider_options(self) -> dict[str, str]:
+        if self.provider in PLUGIN_PROVIDERS:
+            return dict(self.extra_options)
         if self.provider in ("cpu", "auto"):
             return {}
         # device_id is passed even when it is 0: without it DML's default adapter lookup
@@ -82,13 +106,16 @@ class SessionPlan:
 
     def session_options(self, ort: Any) -> Any:
         options = ort.SessionOptions()
-        # "auto" may land on DML, whose requirements are harmless elsewhere.
-        if self.provider in ("dml", "auto"):
+        # "auto" and "winml" may land on DML, whose requirements are harmless elsewhere.
+        if self.provider in ("dml", "auto", "winml"):
             options.enable_mem_pattern = False
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         if self.threads:
             options.intra_op_num_threads = self.threads
-        if self.provider == "auto":
+        options.add_session_config_entry(RECORD_ASSIGNMENT, "1")
+        if self.provider in PLUGIN_PROVIDERS:
+            add_plugin_provider(ort, options, self)
+        if self.provider == "auto" or (self.provider in PLUGIN_PROVIDERS and self.ep_name is None):
             if not hasattr(options, "set_provider_selection_policy"):
                 raise ProviderUnavailable("--provider auto needs onnxruntime >= 1.23 (set_provider_selection_policy)")
             policy = getattr(ort.OrtExecutionProviderDevicePolicy, AUTO_POLICIES[self.policy])
@@ -96,8 +123,8 @@ class SessionPlan:
         return options
 
     def providers(self) -> list[tuple[str, dict[str, str]]] | None:
-        if self.provider == "auto":
-            return None  # ONNX Runtime chooses, by the policy
+        if self.provider == "auto" or self.provider in PLUGIN_PROVIDERS:
+            return None  # ONNX Runtime chooses by the policy, or the session options carry the EP device
         return [(EXECUTION_PROVIDERS[self.provider], self.provider_options())]
 
     def cpu(self) -> SessionPlan:
@@ -114,6 +141,8 @@ class LoadedModel:
     device_id: int | None
     fell_back_to_cpu: bool
     output_names: list[str]
+    #: Nodes each EP took (ONNX Runtime's assignment record); None where it cannot say.
+    placement: dict[str, int] | None = None
 
     def run_options(self) -> Any:
         return importlib.import_module("onnxruntime").RunOptions()
@@ -173,51 +202,10 @@ def warmup_inputs(signature: ModelSignature, seed: int = 0) -> dict[str, np.ndar
     return inputs
 
 
-def platform_refusal(provider: str, system: str | None = None) -> str | None:
-    """Why ``provider`` cannot run on this operating system (``platform.system()``: "Windows",
-    "Linux", "Darwin") at all, and what to use there instead; None where it can run."""
-    system = system or platform.system()
-    os_name = {"Darwin": "macOS"}.get(system, system)
-    if provider == "dml" and system != "Windows":
-        instead = (
-            "--provider cuda for an NVIDIA GPU (pip install 'ortq[cuda]'), else --provider cpu"
-            if system == "Linux"
-            else "--provider cpu"
-        )
-        return f"DirectML (--provider dml) is Windows-only: onnxruntime-directml has no {os_name} build. Use {instead}"
-    if provider == "cuda" and system not in ("Windows", "Linux"):
-        return (
-            f"CUDA (--provider cuda) does not run on {os_name}: NVIDIA's CUDA and onnxruntime-gpu exist only for "
-            "Linux and Windows. Use --provider cpu"
-        )
-    return None
-
-
-def install_advice(provider: str, system: str | None = None, installed: list[str] | None = None) -> str:
-    """How to get the ONNX Runtime build ``provider`` needs on this operating system, given the
-    distributions ``installed`` (only one may be: they share the ``onnxruntime`` package)."""
-    system = system or platform.system()
-    refusal = platform_refusal(provider, system)
-    if refusal is not None:
-        return refusal
-    installed = [name for name, _ in installed_runtimes()] if installed is None else installed
-    package = DISTRIBUTION_FOR_PROVIDER[provider]
-    if provider == "cuda" and system == "Linux":
-        get = "pip install 'ortq[cuda]'"
-    elif provider == "cuda":  # Windows: ortq[cuda] is Linux-only, onnxruntime-gpu is not
-        get = "pip install onnxruntime-gpu nvidia-ml-py"
-    else:
-        get = f"pip install {package}"
-    others = [name for name in installed if name != package]
-    swap = f"pip uninstall -y {' '.join(others)} && {get}" if others else get
-    advice = f"--provider {provider} needs the {package} package ({swap})"
-    if provider == "cuda" and system == "Windows":
-        advice += "; or --provider dml (onnxruntime-directml), which runs on NVIDIA GPUs too"
-    return advice
-
-
 def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
-    if plan.provider == "auto":
+    if plan.provider in PLUGIN_PROVIDERS and plan.ep_name is not None:
+        return f"{plan.ep_name} could not start on its device {plan.ep_device}"
+    if plan.provider == "auto" or plan.provider in PLUGIN_PROVIDERS:
         devices = [f"{d.ep_name} ({d.device.type})" for d in ort.get_ep_devices()]
         return f"--provider auto (policy {plan.policy}) chose the CPU; ONNX Runtime sees these devices: {devices}"
     wanted = EXECUTION_PROVIDERS[plan.provider]
@@ -234,7 +222,9 @@ def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
 
 def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
     """The session (or None) and, when it is None or on the wrong provider, why."""
-    named = plan.provider not in ("cpu", "auto")
+    if plan.unavailable is not None:
+        return None, plan.unavailable
+    named = plan.provider in EXECUTION_PROVIDERS and plan.provider != "cpu"
     if named and EXECUTION_PROVIDERS[plan.provider] not in ort.get_available_providers():
         return None, _unavailable_reason(ort, plan)
     try:
@@ -244,21 +234,39 @@ def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
             providers=plan.providers(),
             enable_fallback=0,  # no silent retry on the CPU, neither at creation nor in run()
         )
-    except ProviderUnavailable:
-        raise
+    except ProviderUnavailable as exc:
+        if plan.provider in ("cpu", "auto"):
+            raise
+        return None, str(exc)
     except Exception as exc:  # ONNX Runtime raises its own exception types from C++
         if plan.provider == "cpu":
             raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
+        if plan.provider in PLUGIN_PROVIDERS:
+            return None, f"{_unavailable_reason(ort, plan)}: {ep_failure(plan.provider, str(exc))}"
         return None, f"{_unavailable_reason(ort, plan)} ({exc})"
     actual = session.get_providers()[0]
-    if plan.provider == "auto":
-        return (session, "") if actual != "CPUExecutionProvider" else (None, _unavailable_reason(ort, plan))
-    wanted = EXECUTION_PROVIDERS[plan.provider]
+    wanted = plan.wanted_ep
+    if wanted is None:  # auto, or winml by policy
+        if actual == "CPUExecutionProvider":
+            return None, _unavailable_reason(ort, plan)
+        wanted = actual
     if actual != wanted:
         return None, f"ONNX Runtime created the session on {actual} instead of {wanted}: " + _unavailable_reason(
             ort, plan
         )
-    return session, ""
+    return session, _unplaced(session, wanted)
+
+
+def _unplaced(session: Any, wanted: str) -> str:
+    """Why a session on ``wanted`` would still run on the CPU: the EP took none of the nodes."""
+    placement = node_placement(session)
+    if wanted == "CPUExecutionProvider" or not placement or placement.get(wanted, 0):
+        return ""
+    others = ", ".join(f"{count} on {ep}" for ep, count in placement.items())
+    return (
+        f"{wanted} was created but took none of the model's {sum(placement.values())} nodes ({others}): "
+        f"it has no kernels for this model's operators or types, so the model would run on the CPU"
+    )
 
 
 def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
@@ -275,6 +283,8 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")
     session, reason = _create(ort, model_path, plan)
+    if reason:
+        session = None
     if session is None:
         if not plan.allow_cpu_fallback:
             raise ProviderUnavailable(f"{reason}. Pass --allow-cpu-fallback to run on the CPU instead.")
@@ -283,6 +293,15 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
         model.fell_back_to_cpu = True
         return model
     provider = session.get_providers()[0]
+    placement = node_placement(session)
+    if placement and provider != "CPUExecutionProvider" and placement.get("CPUExecutionProvider"):
+        log.warning(
+            "%d of the model's %d nodes run on the CPU: %s has no kernels for them (%s)",
+            placement["CPUExecutionProvider"],
+            sum(placement.values()),
+            provider,
+            placement,
+        )
     return LoadedModel(
         session=session,
         signature=signature_of(session),
@@ -290,6 +309,7 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
         device_id=plan.device_id if provider in ("DmlExecutionProvider", "CUDAExecutionProvider") else None,
         fell_back_to_cpu=False,
         output_names=[o.name for o in session.get_outputs()],
+        placement=placement,
     )
 
 

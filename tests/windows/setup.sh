@@ -38,7 +38,9 @@ PYDLL_SHA256=b6227a506a9963e7c8182785a54e14a193af51f7b277a61dda04492b499f49ad   
 # Windows-side pins and additions to what pyproject.toml asks for:
 #  numpy 2.0.2: numpy >= 2.1 calls ucrtbase.crealf, a stub in Wine 8.0 (import aborts).
 #  colorama: click's dependency on Windows only; the Linux pip that resolves these judges markers as Linux.
-WINDOWS_EXTRA_REQS=("numpy==2.0.2" "colorama")
+#  onnxruntime-ep-webgpu, windowsml (its catalog only, not its onnxruntime-windowsml): test_windows_plugin_ep.py,
+#  what --provider webgpu and --provider winml do under Wine.
+WINDOWS_EXTRA_REQS=("numpy==2.0.2" "colorama" "onnxruntime-ep-webgpu==0.4.0" "windowsml==2.5.96")
 
 T0=$(date +%s)
 say() { printf '[windows-setup +%3ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }

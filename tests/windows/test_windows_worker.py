@@ -471,7 +471,7 @@ def test_adapters_json(wine: WineSession, adapter_rows: list[dict[str, Any]]) ->
     for row in adapter_rows:
         for key, types in _ROW_TYPES.items():
             assert key in row and isinstance(row[key], types), (key, row)
-        assert row["provider"] in ("dml", "cuda", "cpu"), row
+        assert row["provider"] in ("dml", "cuda", "webgpu", "cpu"), row  # webgpu: onnxruntime-ep-webgpu
         assert row["kind"] in ("discrete", "integrated", "software", "cpu"), row
         assert row["luid"] is None or re.fullmatch(r"0x[0-9a-fA-F]{16}", row["luid"]), row
         assert not isinstance(row["index"], bool)

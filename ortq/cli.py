@@ -6,25 +6,35 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
 import redis
 
-from ortq.cliopts import redis_url_option
+from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import EXIT_JOB_FAILED, BrokerUnavailable, ConfigurationError, OrtqError, ResultTimeout, exit_status
 from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
 
 _REDIS_URL = redis_url_option()
+_SHARDS = shards_option()
 
 
 def _settings(redis_url: str | None) -> Settings:
     return Settings.from_env(redis_url=redis_url)
 
 
+def _sharded_settings(redis_url: str | None, shards: str | None) -> Settings:
+    """Settings with the shard map of --shards, else $ORTQ_REDIS_SHARDS (ortq/shards.py)."""
+    return Settings.from_env(redis_url=redis_url, redis_shards=shards)
+
+
 def _connect(redis_url: str | None) -> redis.Redis:
+    return _connect_to(_settings(redis_url))
+
+
+def _connect_to(settings: Settings) -> redis.Redis:
     """A checked client; an unreachable Redis is BrokerUnavailable naming it (password left out)."""
-    settings = _settings(redis_url)
     try:
         return settings.connect()
     except REDIS_DOWN as exc:
@@ -283,6 +293,7 @@ def _read_inputs(specs: tuple[str, ...]) -> dict[str, np.ndarray]:
   ortq infer detector --input inputs.npz                   # every array of the archive, by name
   ortq infer resnet --input image=cat64.npy --cast         # float64 data into a float32 model
   ortq infer resnet --input-dir images/ --output-dir out/  # bulk: one job per file
+  ortq infer conv --input x=big.npy --shards conv=redis://redis-big:6379/0   # conv's queue on its own Redis
 
 Exit status 0, 1 (Redis unreachable or --timeout passed), 2 (bad input or option) or 3 (the
 worker failed the job; with --input-dir: any file failed).
@@ -326,6 +337,7 @@ worker failed the job; with --input-dir: any file failed).
 )
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the result.")
 @_REDIS_URL
+@_SHARDS
 def infer(
     model_name: str,
     input_specs: tuple[str, ...],
@@ -336,6 +348,7 @@ def infer(
     output_path: Path | None,
     timeout: float,
     redis_url: str | None,
+    shards: str | None,
 ) -> None:
     """Send one job to MODEL_NAME's queue and wait for its outputs (or, with --input-dir, one job
     per file, with a progress bar and a summary)."""
@@ -346,11 +359,12 @@ def infer(
         raise click.UsageError(
             "give --input NAME=FILE.npy or --input FILE.npz (one job) or --input-dir DIR (bulk), one of the two"
         )
+    settings = _sharded_settings(redis_url, shards)
     if input_dir is not None:
-        _infer_folder(model_name, input_dir, output_dir, input_name, cast, timeout, _settings(redis_url))
+        _infer_folder(model_name, input_dir, output_dir, input_name, cast, timeout, settings)
         return
     inputs = _read_inputs(input_specs)
-    with Producer(settings=_settings(redis_url)) as producer:
+    with Producer(settings=settings) as producer:
         if cast:
             inputs = cast_inputs(inputs, signature_for_cast(producer, model_name))
         elif (signature := producer.signature(model_name)) is not None:
@@ -401,15 +415,30 @@ def _infer_folder(
     sys.exit(EXIT_JOB_FAILED if summary.failures else 0)
 
 
-@main.command(epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'")
+@main.command(
+    epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'\n"
+    "  ortq info --shards conv=redis://redis-big:6379/0   # every Redis of the map, a REDIS column"
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_REDIS_URL
-def info(as_json: bool, redis_url: str | None) -> None:
-    """Show models, their workers (provider, device, host, pid) and queue depths."""
-    from ortq.info import collect, format_info
+@_SHARDS
+def info(as_json: bool, redis_url: str | None, shards: str | None) -> None:
+    """Show models, their workers (provider, device, host, pid) and queue depths (of every Redis
+    of the shard map, if there is one)."""
+    from ortq.info import format_info
 
-    data = collect(_connect(redis_url))
+    data = _info_data(_sharded_settings(redis_url, shards))
     click.echo(json.dumps(data, indent=2) if as_json else format_info(data))
+
+
+def _info_data(settings: Settings) -> dict[str, Any]:
+    """``ortq info``'s data: of one Redis, or of every Redis the shard map names."""
+    from ortq.info import collect, collect_shards
+
+    shards = settings.shards
+    if shards is None or not shards.sharded:
+        return collect(_connect_to(settings))
+    return collect_shards({url: _connect_to(settings.for_redis(url)) for url in shards.urls()}, shards)
 
 
 @main.command(

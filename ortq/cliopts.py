@@ -14,3 +14,12 @@ def redis_url_option(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--redis-url``, read from $ORTQ_REDIS_URL when not given (None when neither is)."""
     return click.option("--redis-url", envvar="ORTQ_REDIS_URL", default=None, help=help)
+
+
+def shards_option(
+    help: str = "Models on other Redis instances than --redis-url: MODEL=URL,MODEL=URL (default: $ORTQ_REDIS_SHARDS; "
+    "docs/pool.md, 'Sharding').",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--shards``, the shard map (ortq/shards.py); None when not given, so that Settings.from_env
+    reads $ORTQ_REDIS_SHARDS itself."""
+    return click.option("--shards", default=None, metavar="MODEL=URL,...", help=help)

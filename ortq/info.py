@@ -7,6 +7,7 @@ would, for the workers' records).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, cast
 
 import redis
@@ -15,6 +16,8 @@ from ortq import keys, tables
 from ortq.control import worker_records
 from ortq.errors import ConfigurationError, WireFormatError
 from ortq.rqcompat import layout
+from ortq.settings import redacted_url
+from ortq.shards import ShardMap
 from ortq.signature import ModelSignature
 
 
@@ -117,6 +120,25 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
     return {"models": models}
 
 
+def collect_shards(connections: Mapping[str, redis.Redis], shards: ShardMap) -> dict[str, Any]:
+    """:func:`collect` of every Redis of the shard map (URL -> client, the default first), each
+    model marked with its Redis (password left out); ``warnings`` names every model with workers or
+    queued jobs on a Redis the map does not send it to (a worker started with the wrong URL)."""
+    models: list[dict[str, Any]] = []
+    warnings = []
+    for url, connection in connections.items():
+        for model in collect(connection)["models"]:
+            model["redis"] = redacted_url(url)
+            models.append(model)
+            home = shards.url_for(model["model"])
+            if home != url and (model["workers"] or model["queued"]):
+                warnings.append(
+                    f"model {model['model']!r} has {len(model['workers'])} worker(s) and {model['queued']} queued "
+                    f"job(s) on {redacted_url(url)}, but the shard map sends its jobs to {redacted_url(home)}"
+                )
+    return {"models": models, "warnings": warnings}
+
+
 def _shape(spec: dict[str, Any]) -> str:
     return f"{spec['name']}: {spec['dtype']}[{', '.join('?' if d is None else str(d) for d in spec['shape'])}]"
 
@@ -136,14 +158,19 @@ def _adapter(worker: dict[str, Any]) -> str:
 
 
 def format_info(info: dict[str, Any]) -> str:
-    """``ortq info``'s tables: one row per model (queue counts, signature), one per worker."""
+    """``ortq info``'s tables: one row per model (queue counts, signature), one per worker; with a
+    shard map (:func:`collect_shards`) a REDIS column, and its warnings below."""
+    sharded = "warnings" in info
+    warnings = "".join(f"\nWARNING: {w}" for w in info.get("warnings", []))
     if not info["models"]:
-        return "no ortq models or workers in this Redis"
+        return f"no ortq models or workers in {'these Redis instances' if sharded else 'this Redis'}{warnings}"
+    redis_column: tuple[str, ...] = ("REDIS",) if sharded else ()
     models = tables.format_table(
-        ("MODEL", "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
+        ("MODEL", *redis_column, "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
         [
             (
                 m["model"],
+                *((m["redis"],) if sharded else ()),
                 m["queued"],
                 m["started"],
                 m["finished"],
@@ -155,13 +182,14 @@ def format_info(info: dict[str, Any]) -> str:
             for m in info["models"]
         ],
     )
-    workers = [w for m in info["models"] for w in m["workers"]]
+    workers = [(w, m.get("redis")) for m in info["models"] for w in m["workers"]]
     if not workers:
-        return models + "\n\nno live workers"
+        return models + "\n\nno live workers" + warnings
     rows = [
         (
             w["name"],
             w["model"],
+            *((redis_url,) if sharded else ()),
             w["state"],
             w["provider"] + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
             _adapter(w),
@@ -170,7 +198,7 @@ def format_info(info: dict[str, Any]) -> str:
             w["successful_jobs"],
             w["failed_jobs"],
         )
-        for w in workers
+        for w, redis_url in workers
     ]
-    header = ("WORKER", "MODEL", "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED")
-    return models + "\n\n" + tables.format_table(header, rows)
+    header = ("WORKER", "MODEL", *redis_column, "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED")
+    return models + "\n\n" + tables.format_table(header, rows) + warnings

@@ -10,15 +10,19 @@ import inspect
 import os
 import re
 import ssl
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 
 from ortq.errors import EXIT_CONFIGURATION, EXIT_UNAVAILABLE, ConfigurationError
 from ortq.wire import DEFAULT_MAX_FRAME_BYTES
+
+if TYPE_CHECKING:
+    from ortq.shards import ShardMap
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _SCHEMES = ("redis", "rediss", "unix")
@@ -89,7 +93,7 @@ def check_redis_url(redis_url: str) -> None:
         )
 
 
-def _check_tls_options(redis_url: str) -> None:
+def check_tls_options(redis_url: str) -> None:
     """Refuse misspelt, misplaced or missing-file TLS options: redis-py would only fail at the first
     connection, with a TypeError or an ``Error 2 connecting`` that names no file."""
     parts = urlsplit(redis_url)
@@ -126,10 +130,15 @@ class Settings:
     heartbeat_seconds: float = 5.0
     #: Backpressure: ``submit`` raises QueueFull once a model's queue holds this many jobs (0: no limit).
     max_queue_length: int = 0
+    #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
+    #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each
+    #: takes its model's URL as its ``redis_url``). Empty: every model on ``redis_url``. Left out of
+    #: the repr: its URLs may hold passwords.
+    redis_shards: str = dataclass_field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
-        _check_tls_options(self.redis_url)
+        check_tls_options(self.redis_url)
         if self.socket_timeout < 2:
             raise ConfigurationError(f"socket_timeout must be at least 2 seconds, got {self.socket_timeout}")
         for name in ("request_ttl", "result_ttl", "failure_ttl", "max_frame_bytes"):
@@ -139,6 +148,12 @@ class Settings:
             raise ConfigurationError(f"heartbeat_seconds must be positive, got {self.heartbeat_seconds}")
         if self.max_queue_length < 0:
             raise ConfigurationError(f"max_queue_length must be >= 0, got {self.max_queue_length}")
+        if self.redis_shards:
+            from ortq.shards import ENV_VAR, ShardMap  # it reads this module's URL checks
+
+            source = f"shard map (redis_shards, --shards, ${ENV_VAR})"
+            shards = ShardMap.parse(self.redis_shards, self.redis_url, source=source)
+            object.__setattr__(self, "_shards", shards)  # parsed once; frozen for everyone else
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> Settings:
@@ -162,6 +177,16 @@ class Settings:
                 raise ConfigurationError(f"ORTQ_{field.name.upper()}={raw!r}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    @property
+    def shards(self) -> ShardMap | None:
+        """The parsed ``redis_shards`` (its default: ``redis_url``), None when it is empty."""
+        shards: ShardMap | None = self.__dict__.get("_shards")
+        return shards
+
+    def for_redis(self, redis_url: str) -> Settings:
+        """These settings for one Redis of the shard map: ``redis_url`` replaced, no map."""
+        return replace(self, redis_url=redis_url, redis_shards="")
 
     @property
     def block_slice(self) -> float:

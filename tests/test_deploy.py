@@ -479,6 +479,49 @@ def test_compose_mounts_only_files_in_the_repository() -> None:
     assert DEPLOY / "grafana" / "ortq-dashboard.json" in mounts
 
 
+def uncommented(path: Path) -> str:
+    """The file with its commented-out sharding block in: the lines between "# >>> sharding" and
+    "# <<< sharding" without their first "#", as the compose file tells its reader to do."""
+    lines, inside = [], False
+    for line in path.read_text().splitlines(keepends=True):
+        marker = line.strip()
+        if marker.startswith(("# >>> sharding", "# <<< sharding")):
+            inside = marker.startswith("# >>>")
+        lines.append(line[1:] if inside and line.startswith("#") else line)
+    return "".join(lines)
+
+
+def test_compose_sharding_block_once_uncommented_fits(tmp_path: Path) -> None:
+    """A second Redis for a big-tensor model, its worker and its dashboard: valid compose, the
+    worker on that Redis, and the producers' map the comment gives sends the model there."""
+    source = COMPOSE_DIR / "docker-compose.yml"
+    sharded = tmp_path / "docker-compose.yml"
+    sharded.write_text(uncommented(source))
+    compose = docker_compose()
+    if compose is not None:
+        checked = run(*compose, "-f", sharded, "--project-directory", COMPOSE_DIR, "config", "-q")
+        assert checked.returncode == 0, checked.stderr
+    [committed], [doc] = load_yaml_documents(source), load_yaml_documents(sharded)
+    services = doc["services"]
+    assert set(services) - set(committed["services"]) == {"redis-big", "worker-resnet-gpu1", "dashboard-big"}
+    worker, dashboard = services["worker-resnet-gpu1"], services["dashboard-big"]
+    env = worker["environment"]
+    assert set(env) <= ortq_variables() and env["ORTQ_REDIS_URL"] == "redis://redis-big:6379/0"
+    assert worker["depends_on"] == dashboard["depends_on"] == {"redis-big": {"condition": "service_healthy"}}
+    assert dashboard["environment"] == {"ORTQ_REDIS_URL": env["ORTQ_REDIS_URL"]}
+    assert dashboard["command"] == services["dashboard"]["command"] and services["redis-big"]["healthcheck"]
+    assert set(doc["volumes"]) - set(committed["volumes"]) == {"redis-big-data"}
+    [spec] = re.findall(r"ORTQ_REDIS_SHARDS=(\S+)", source.read_text())
+    producers = Settings(redis_url="redis://redis:6379/0", redis_shards=spec).shards
+    assert producers is not None and producers.url_for(env["ORTQ_MODEL_NAME"]) == env["ORTQ_REDIS_URL"]
+    prometheus_file = tmp_path / "prometheus.yml"
+    prometheus_file.write_text(uncommented(DEPLOY / "prometheus" / "prometheus.yml"))
+    [prometheus] = load_yaml_documents(prometheus_file)
+    targets = {t for c in prometheus["scrape_configs"][0]["static_configs"] for t in c["targets"]}
+    workers = [name for name, service in services.items() if service.get("command") == ["worker"]]
+    assert targets == {f"{name}:{METRICS_PORT}" for name in workers}
+
+
 # --- Kubernetes ---------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from ortq.pool.plan import (
 from ortq.pool.restart import Action, ExitHistory, decide
 from ortq.pool.supervisor import Supervisor
 from ortq.producer import Producer
+from ortq.shards import ShardMap
 from ortq.worker.adapters import Adapter
 from tests.conftest import REPO, eventually
 from tests.test_adapters import LAPTOP
@@ -215,7 +216,7 @@ def test_twin_gpus_each_worker_gets_its_device_by_a_stable_spec(tmp_path: Path, 
         tmp_path,
     )
     plan = make_plan(pool, TWIN_GPUS, measure=no_measure)
-    slots = build_slots(plan, "redis://127.0.0.1:6379/5")
+    slots = build_slots(plan, ShardMap("redis://127.0.0.1:6379/5"))
     adapter_of = {s.label: s.argv[s.argv.index("--adapter") + 1] if "--adapter" in s.argv else None for s in slots}
     assert adapter_of == {
         "resnet.0": "uuid:GPU-5f3c0a9e-1111-2222-3333-444455556666",

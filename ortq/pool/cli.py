@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 import click
 from click.core import ParameterSource
 
-from ortq.cliopts import redis_url_option
+from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ortq.pool.plan import Plan
     from ortq.settings import Settings
+    from ortq.shards import ShardMap
 
 
 @click.command(
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
   ortq pool --config pool.toml              # start the workers and keep them running
   ortq pool --config pool.toml --force      # start even where memory estimates exceed an adapter's
   ortq pool --config pool.toml --redis-url redis://queue-host:6379/0
+  ortq pool --config pool.toml --shards conv=redis://redis-big:6379/0   # conv's workers on their own Redis
 
 \b
 Exit status: 0 stopped cleanly (SIGINT/SIGTERM/CTRL_BREAK) or every burst worker finished;
@@ -48,8 +50,14 @@ nothing left to run after giving up on workers. See docs/pool.md, deploy/pool.ex
 @redis_url_option(
     help="Redis for every worker (default: the config's redis_url, else $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0)."
 )
+@shards_option(
+    help="Models whose workers go to another Redis: MODEL=URL,MODEL=URL (default: $ORTQ_REDIS_SHARDS); a model's "
+    "redis_url in the file must agree with it. See docs/pool.md, 'Sharding'."
+)
 @click.pass_context
-def pool(ctx: click.Context, config_path: Path, check: bool, force: bool, redis_url: str | None) -> None:
+def pool(
+    ctx: click.Context, config_path: Path, check: bool, force: bool, redis_url: str | None, shards: str | None
+) -> None:
     """Run N worker processes per adapter from a config file, and keep them running.
 
     Every adapter spec is resolved once against a fresh enumeration; each worker gets the
@@ -67,33 +75,36 @@ def pool(ctx: click.Context, config_path: Path, check: bool, force: bool, redis_
     if ctx.get_parameter_source("redis_url") is ParameterSource.ENVIRONMENT and config.redis_url:
         redis_url = config.redis_url
     try:  # checked now, so that --check catches it too
-        settings = Settings.from_env(redis_url=redis_url or config.redis_url)
+        settings = Settings.from_env(redis_url=redis_url or config.redis_url, redis_shards="")
     except ConfigurationError as exc:
         raise ConfigurationError(f"{config.source}: [pool] redis_url: {exc}") from None
+    # The map's own messages name where it came from; its default is the pool's Redis.
+    shard_map = config.shard_map(Settings.from_env(redis_url=settings.redis_url, redis_shards=shards))
     adapters, notes = enumerate_adapters()
     plan = make_plan(config, adapters, notes)
-    click.echo(format_plan(plan), err=not check)
+    click.echo(format_plan(plan, shard_map), err=not check)
     refusals = plan.refusals()
     if refusals and not force:
         why = "; ".join(refusals)
         raise ConfigurationError(f"{config.source}: not enough memory: {why} (--force starts it anyway)")
     if check:
         return
-    sys.exit(_run(plan, settings))
+    sys.exit(_run(plan, settings, shard_map))
 
 
-def _run(plan: Plan, settings: Settings) -> int:
+def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:
     from ortq.pool.plan import build_slots
     from ortq.pool.supervisor import Supervisor
 
     log = logging.getLogger("ortq.pool")
-    try:
-        settings.connect().ping()
-    except Exception as exc:  # redis-py's connection errors, which name host and port (never the password)
-        log.warning("Redis does not answer (%s); starting the workers anyway, they retry with backoff", exc)
+    for url in sorted({shards.url_for(model.name) for model in plan.config.models}):
+        try:
+            settings.for_redis(url).connect().ping()
+        except Exception as exc:  # redis-py's connection errors, which name host and port (never the password)
+            log.warning("Redis does not answer (%s); starting the workers anyway, they retry with backoff", exc)
     verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
     config = plan.config
-    supervisor = Supervisor(build_slots(plan, settings.redis_url, verbose), config.restart, config.grace_seconds,
+    supervisor = Supervisor(build_slots(plan, shards, verbose), config.restart, config.grace_seconds,
                             config.log_dir, send_shutdown=_shutdown_through_redis(settings))  # fmt: skip
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -105,15 +116,15 @@ def _run(plan: Plan, settings: Settings) -> int:
     return supervisor.run()
 
 
-def _shutdown_through_redis(settings: Settings) -> Callable[[str], None] | None:
-    """On Windows, how the pool asks a worker to stop: RQ's shutdown command over Redis, which
+def _shutdown_through_redis(settings: Settings) -> Callable[[str, str | None], None] | None:
+    """On Windows, how the pool asks a worker to stop: RQ's shutdown command over its Redis, which
     needs no console (POSIX pools send SIGTERM)."""
     if sys.platform != "win32":
         return None
     from rq.command import send_shutdown_command
 
-    def send(worker_name: str) -> None:
-        connection = settings.connect(check=False)
+    def send(worker_name: str, redis_url: str | None) -> None:
+        connection = (settings if redis_url is None else settings.for_redis(redis_url)).connect(check=False)
         try:
             send_shutdown_command(connection, worker_name)
         finally:

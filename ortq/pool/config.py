@@ -17,7 +17,9 @@ from typing import Any, TypeVar, overload
 
 from ortq import keys
 from ortq.errors import ConfigurationError
-from ortq.settings import redacted_url
+from ortq.settings import Settings, redacted_url
+from ortq.shards import ENV_VAR as SHARDS_ENV_VAR
+from ortq.shards import ShardMap
 
 PROVIDERS = ("cpu", "cuda", "dml", "auto")
 POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
@@ -34,7 +36,8 @@ _FROM_KEY = {
     "ORTQ_MAX_BATCH": "max_batch",
     "ORTQ_MAX_WAIT_MS": "max_wait_ms",
     "ORTQ_ROWS_INDEPENDENT": "rows_independent",
-    "ORTQ_REDIS_URL": "redis_url in [pool]",
+    "ORTQ_REDIS_URL": "redis_url in [pool] or [[model]]",
+    SHARDS_ENV_VAR: "redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
     "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
     "ORTQ_METRICS_HOST": "metrics_host in [pool]",
 }
@@ -95,6 +98,8 @@ class ModelConfig:
     #: The operator's own figure for one worker's memory on its adapter; replaces the estimate.
     memory_per_worker_bytes: int | None = None
     env: Env = ()
+    #: This model's Redis (a shard of its own, ortq/shards.py); None: the pool's.
+    redis_url: str | None = None
 
     @property
     def worker_count(self) -> int:
@@ -123,6 +128,15 @@ class PoolConfig:
     @property
     def worker_count(self) -> int:
         return sum(m.worker_count for m in self.models)
+
+    def shard_map(self, settings: Settings) -> ShardMap:
+        """Each model's Redis: its ``redis_url`` key, else the entry of ``settings``' shard map
+        (``--shards`` / $ORTQ_REDIS_SHARDS), else the pool's ``settings.redis_url``. A model that the
+        file and the map put on different Redis instances is refused: the producers reading that map
+        would send its jobs where none of these workers wait."""
+        shards = settings.shards or ShardMap(settings.redis_url)
+        given = [(m.name, m.redis_url) for m in self.models if m.redis_url is not None]
+        return shards.with_routes(given, f"{self.source}: [[model]] redis_url") if given else shards
 
     @classmethod
     def from_file(cls, path: Path) -> PoolConfig:
@@ -242,12 +256,9 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
     model_tables = top.tables("model", "model")
     top.finish()
 
-    redis_url = pool.string("redis_url")
-    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise pool.error(f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(redis_url)!r}")
     log_dir = pool.string("log_dir")
     fields: dict[str, Any] = {
-        "redis_url": redis_url,
+        "redis_url": _redis_url(pool),
         "metrics_port_base": pool.integer("metrics_port_base", 0, 0, 65535),
         "metrics_host": pool.string("metrics_host", "127.0.0.1"),
         "grace_seconds": pool.number("grace_seconds", 30.0, 0, above=True),
@@ -271,6 +282,14 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
     if config.metrics_port_base and last_port > 65535:
         raise pool.error(f"metrics_port_base {config.metrics_port_base} + {config.worker_count} workers passes 65535")
     return config
+
+
+def _redis_url(table: Table) -> str | None:
+    """The table's ``redis_url`` (its scheme checked here; the rest where the map or settings are made)."""
+    url = table.string("redis_url")
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise table.error(f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(url)!r}")
+    return url
 
 
 def _restart(table: Table) -> RestartPolicy:
@@ -322,6 +341,7 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         burst=table.boolean("burst", False),
         memory_per_worker_bytes=None if memory_mib is None else memory_mib * 1024**2,
         env=table.env("model.env"),
+        redis_url=_redis_url(table),
     )
     table.finish()
     if not model.groups:

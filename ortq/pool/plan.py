@@ -22,6 +22,8 @@ from pathlib import Path
 from ortq.errors import AdapterNotFound, ConfigurationError
 from ortq.pool.config import RESERVED_ENV, Env, ModelConfig, PoolConfig, WorkerGroup
 from ortq.pool.measure import SessionFootprint, measure_session
+from ortq.settings import redacted_url
+from ortq.shards import ShardMap
 from ortq.worker.adapters import Adapter, select_adapter
 
 MiB = 1024**2
@@ -105,6 +107,8 @@ class WorkerSlot:
     #: Variables set on top of the pool's environment.
     env: Env
     burst: bool = False
+    #: The worker's Redis (its ORTQ_REDIS_URL), where a stop command for it goes; None: the pool's.
+    redis_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -263,8 +267,9 @@ def worker_environment(base: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in base.items() if not (k.startswith("ORTQ_") and k in RESERVED_ENV)}
 
 
-def build_slots(plan: Plan, redis_url: str, verbose: bool = False) -> list[WorkerSlot]:
-    """Every worker process of the plan, in file order."""
+def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[WorkerSlot]:
+    """Every worker process of the plan, in file order, each on its model's Redis in ``shards``
+    (:meth:`PoolConfig.shard_map`)."""
     config = plan.config
     slots: list[WorkerSlot] = []
     per_model: dict[str, int] = {}
@@ -279,6 +284,7 @@ def build_slots(plan: Plan, redis_url: str, verbose: bool = False) -> list[Worke
         flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
         options += [flag for flag, on in flags.items() if on]
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.
+        redis_url = shards.url_for(m.name)
         env = {**dict(config.env), **dict(m.env), **dict(p.group.env), "ORTQ_REDIS_URL": redis_url}
         env["PYTHONUNBUFFERED"] = "1"  # the pool relays its workers' output line by line
         for _ in range(p.group.count):
@@ -290,7 +296,7 @@ def build_slots(plan: Plan, redis_url: str, verbose: bool = False) -> list[Worke
             n = per_model.get(m.name, 0)
             per_model[m.name] = n + 1
             argv = (sys.executable, "-m", "ortq", *(["-v"] if verbose else []), "worker", *options, *ports)
-            slots.append(WorkerSlot(number, f"{m.name}.{n}", argv, tuple(env.items()), m.burst))
+            slots.append(WorkerSlot(number, f"{m.name}.{n}", argv, tuple(env.items()), m.burst, redis_url))
     return slots
 
 
@@ -313,8 +319,9 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan as ``ortq pool --check`` prints it: workers, adapter totals, how memory was obtained."""
+def format_plan(plan: Plan, shards: ShardMap | None = None) -> str:
+    """The plan as ``ortq pool --check`` prints it: workers, adapter totals, how memory was obtained,
+    and, when ``shards`` puts the pool's models on several Redis instances, which is on which."""
     lines = [f"pool plan for {plan.config.source}: {plan.config.worker_count} workers", ""]
     rows = [("model", "provider", "adapter", "index", "--adapter", "workers", "memory/worker")]
     for p in plan.placements:
@@ -333,10 +340,22 @@ def format_plan(plan: Plan) -> str:
         if p.model.name not in seen:
             seen.add(p.model.name)
             lines.append(f"  {p.model.name}: {_size(p.estimate.bytes)} = {p.estimate.detail}")
+    lines += _redis_lines(plan, shards)
     lines += [f"note: {note}" for note in plan.notes]
     lines += [f"WARNING: {w} (above {WARN_FRACTION:.0%})" for w in plan.warnings()]
     lines += [f"REFUSED: {r}: more than it has (--force starts it anyway)" for r in plan.refusals()]
     return "\n".join(lines)
+
+
+def _redis_lines(plan: Plan, shards: ShardMap | None) -> list[str]:
+    if shards is None:
+        return []
+    by_url: dict[str, list[str]] = {}
+    for model in plan.config.models:
+        by_url.setdefault(shards.url_for(model.name), []).append(f"{model.name} ({model.worker_count})")
+    if len(by_url) < 2:
+        return []
+    return ["", "redis (workers):", *(f"  {redacted_url(url)}: {', '.join(on)}" for url, on in by_url.items())]
 
 
 def _load_rows(plan: Plan) -> list[tuple[str, ...]]:

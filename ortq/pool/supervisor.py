@@ -71,10 +71,11 @@ class Supervisor:
         grace_seconds: float,
         log_dir: Path | None = None,
         output: TextIO | None = None,
-        send_shutdown: Callable[[str], None] | None = None,
+        send_shutdown: Callable[[str, str | None], None] | None = None,
     ) -> None:
-        #: Asks the worker of that name to stop through Redis (RQ's shutdown command); used on
-        #: Windows, where a pool running as a service has no console to send CTRL_BREAK_EVENT with.
+        #: Asks the worker of that name to stop through its Redis (RQ's shutdown command; the URL is
+        #: its slot's, None for the pool's); used on Windows, where a pool running as a service has
+        #: no console to send CTRL_BREAK_EVENT with.
         self.send_shutdown = send_shutdown
         self.policy = policy
         self.grace_seconds = grace_seconds
@@ -259,7 +260,7 @@ class Supervisor:
             return
         if self.send_shutdown is not None:
             try:
-                self.send_shutdown(worker.name)
+                self.send_shutdown(worker.name, worker.slot.redis_url)
                 return
             except Exception as exc:  # Redis unreachable: fall back to the console event
                 log.warning("could not send worker %s a shutdown command (%s)", worker.slot.label, exc)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
 from ortq.producer.enqueue import JobOptions, add_enqueue
 from ortq.producer.replies import ReplyReader
+from ortq.producer.routes import Routes
 from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
@@ -41,7 +43,7 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
         when Redis has no record of it (never enqueued, or expired)."""
         key = keys.job_key(self.id)
         try:
-            raw = await self.producer.connection.hget(key, "status")
+            raw = await self.producer.connection_for(self.model).hget(key, "status")
         except redis.RedisError as exc:
             doing = f"could not read the status of job {self.id}"
             raise faults.failure(exc, doing, f"the record of job {self.id} ({key}) is no job hash") from exc
@@ -50,11 +52,21 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     async def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
         """The job's outputs, once its response arrives (at most ``timeout`` seconds): read-only views
         onto the received frame. InferenceFailed if the worker failed it, ResultTimeout if nothing came."""
-        return enqueue.outputs_of(await self.producer.wait_response(self.id, timeout, self.nonce), self.id)
+        return enqueue.outputs_of(await self.producer.wait_response(self.id, timeout, self.nonce, self.model), self.id)
 
     async def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it; returns whether it was removed."""
         return await self.producer.cancel(self.id, self.model)
+
+
+@dataclass(frozen=True)
+class _Redis:
+    """What a producer holds per Redis: the commands' client and the reader of its reply streams."""
+
+    connection: redis.asyncio.Redis
+    reader: ReplyReader
+    #: Whether the producer opened ``connection`` (and closes it).
+    owned: bool
 
 
 class AsyncProducer:
@@ -64,7 +76,9 @@ class AsyncProducer:
     ``redis.asyncio.Redis`` of your own for commands (not closed by :meth:`aclose`); by default the
     producer opens a pool of at most ``max_connections``. Waiting uses ``max_reads`` connections of
     its own. Use ``async with AsyncProducer(...) as producer:`` (which checks the connection with a
-    PING) or call :meth:`aclose` when done.
+    PING) or call :meth:`aclose` when done. Under a shard map (``settings.redis_shards``, as for
+    ``Producer``) each other Redis gets a pool and a reader of the same sizes, opened at the first use
+    of one of its models; ``connection`` is only ever ``redis_url``'s.
     """
 
     def __init__(
@@ -83,6 +97,18 @@ class AsyncProducer:
             raise ConfigurationError(f"max_connections and max_reads must be >= 1, got {max_connections}, {max_reads}")
         self.validate = validate
         self.allow_unknown_models = allow_unknown_models
+        self._max_connections = max_connections
+        self._max_reads = max_reads
+        self._default = self._open_redis(self.settings.redis_url, connection)
+        self.connection = self._default.connection
+        shards = self.settings.shards
+        self._routes = None if shards is None else Routes(shards, self._default, self._open_redis)
+        self._signatures = checks.SignatureCache()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _open_redis(self, redis_url: str, connection: redis.asyncio.Redis | None = None) -> _Redis:
+        """The commands' pool (or ``connection``) and the reply reader for one Redis. Opens nothing
+        yet: redis-py connects at the first command."""
         options = {
             "socket_timeout": self.settings.socket_timeout,
             "socket_connect_timeout": self.settings.socket_timeout,
@@ -95,35 +121,38 @@ class AsyncProducer:
             "retry": Retry(NoBackoff(), 1),
         }
         try:
+            owned = connection is None
             if connection is None:
                 pool = redis.asyncio.BlockingConnectionPool.from_url(
-                    self.settings.redis_url, max_connections=max_connections, timeout=None, **options
+                    redis_url, max_connections=self._max_connections, timeout=None, **options
                 )
                 connection = redis.asyncio.Redis.from_pool(pool)
-                self._owns_connection = True
-            else:
-                self._owns_connection = False
-            self.connection = connection
             # The reader's own pool: the same server and login, its blocks under its socket timeout
             # (the reader rides out an outage itself, backing off).
             kwargs = {**connection.connection_pool.connection_kwargs, **options}
             reader_pool = redis.asyncio.BlockingConnectionPool(
                 connection_class=connection.connection_pool.connection_class,
-                max_connections=max_reads,
+                max_connections=self._max_reads,
                 timeout=None,
                 **kwargs,
             )
         except ValueError as exc:  # a query option redis-py cannot read
-            raise ConfigurationError(f"redis_url {redacted_url(self.settings.redis_url)!r}: {exc}") from None
-        block = faults.block_seconds(self.settings, self.settings.socket_timeout)
-        self._reader = ReplyReader(
+            raise ConfigurationError(f"redis_url {redacted_url(redis_url)!r}: {exc}") from None
+        reader = ReplyReader(
             redis.asyncio.Redis.from_pool(reader_pool),
             max_bytes=self.settings.max_frame_bytes,
-            block=block,
-            reads=max_reads,
+            block=faults.block_seconds(self.settings, self.settings.socket_timeout),
+            reads=self._max_reads,
         )
-        self._signatures = checks.SignatureCache()
-        self._background: set[asyncio.Task[Any]] = set()
+        return _Redis(connection, reader, owned)
+
+    def _redis_for(self, model: str) -> _Redis:
+        return self._default if self._routes is None else self._routes.client(model)
+
+    def connection_for(self, model: str) -> redis.asyncio.Redis:
+        """The client of ``model``'s Redis: :attr:`connection`, unless the shard map puts the model
+        on another Redis."""
+        return self._redis_for(model).connection
 
     async def ping(self) -> None:
         """Check the connection: ConfigurationError for what only the settings can fix (a refused
@@ -137,9 +166,10 @@ class AsyncProducer:
         """Stop waiting (whoever still waits gets BrokerUnavailable) and close the connections."""
         if self._background:
             await asyncio.wait(self._background, timeout=self.settings.socket_timeout)
-        await self._reader.aclose()
-        if self._owns_connection:
-            await self.connection.aclose()
+        for each in [self._default, *([] if self._routes is None else self._routes.opened())]:
+            await each.reader.aclose()
+            if each.owned:
+                await each.connection.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
         await self.ping()
@@ -157,7 +187,7 @@ class AsyncProducer:
             return cached
         key = keys.signature_key(keys.check_model_name(model))
         try:
-            raw = await self.connection.get(key)
+            raw = await self.connection_for(model).get(key)
         except redis.RedisError as exc:
             doing = f"could not read the signature of {model!r}"
             raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
@@ -171,15 +201,16 @@ class AsyncProducer:
             return None
         signature = await self.signature(model)
         if signature is None and not self.allow_unknown_models:
-            raise checks.unknown_model(model, await self._live_records())
+            shard = None if self._routes is None else self._routes.where(model)
+            raise checks.unknown_model(model, await self._live_records(self.connection_for(model)), shard)
         return signature if self.validate else None
 
-    async def _live_records(self) -> list[dict[str, Any]]:
-        """Every live worker's record (hostile input: what cannot be read is skipped)."""
+    async def _live_records(self, connection: redis.asyncio.Redis) -> list[dict[str, Any]]:
+        """Every live worker's record on that Redis (hostile input: what cannot be read is skipped)."""
         try:
-            raw_names = await self.connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
+            raw_names = await connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
             names = checks.worker_names(raw_names or [])
-            raws = await self.connection.mget([keys.worker_key(n) for n in names]) if names else []
+            raws = await connection.mget([keys.worker_key(n) for n in names]) if names else []
         except redis.RedisError as exc:
             if faults.is_wrong_type(exc):  # not written by ortq: no worker to be found there
                 return []
@@ -187,8 +218,9 @@ class AsyncProducer:
         return checks.live_records(raws)
 
     async def workers(self, model: str) -> list[dict[str, Any]]:
-        """The published records of the live workers serving ``model``."""
-        return [record for record in await self._live_records() if record.get("model") == model]
+        """The published records of the live workers serving ``model`` (on its Redis)."""
+        records = await self._live_records(self.connection_for(model))
+        return [record for record in records if record.get("model") == model]
 
     async def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
@@ -254,15 +286,16 @@ class AsyncProducer:
         frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
         if not frames:
             return []
+        connection = self.connection_for(model)
         if self.settings.max_queue_length:
             try:
-                queued = await self.connection.llen(keys.queue_key(model))
+                queued = await connection.llen(keys.queue_key(model))
             except redis.RedisError as exc:
                 wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
                 raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
             checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
         try:
-            ids = await self._enqueue(model, frames, options)
+            ids = await self._enqueue(connection, model, frames, options)
         except redis.RedisError as exc:
             error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
             if isinstance(error, BrokerUnavailable):
@@ -270,28 +303,30 @@ class AsyncProducer:
             raise error from exc
         return [AsyncInferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
 
-    async def _enqueue(self, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
+    async def _enqueue(
+        self, connection: redis.asyncio.Redis, model: str, frames: list[bytes], options: JobOptions
+    ) -> list[str]:
         """``Producer._enqueue``, awaited: one MULTI, EVAL where FCALL found no function, and what
         Redis refused removed again and reported."""
         try:
-            async with self.connection.pipeline(transaction=True) as pipe:
+            async with connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
                 results = await pipe.execute(raise_on_error=False)
         except redis.ResponseError as exc:
             if not enqueue.is_refused_fcall(exc, options):
                 raise
-            async with self.connection.pipeline(transaction=True) as pipe:
+            async with connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options, by_eval=True) for frame in frames]
                 results = await pipe.execute(raise_on_error=False)
         by_eval, broken = enqueue.split_failures(results, ids)
         if by_eval:
-            async with self.connection.pipeline(transaction=False) as pipe:
+            async with connection.pipeline(transaction=False) as pipe:
                 for job_id in by_eval:
                     enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
                 again = await pipe.execute(raise_on_error=False)
             broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
         if broken:
-            async with self.connection.pipeline(transaction=True) as pipe:
+            async with connection.pipeline(transaction=True) as pipe:
                 for job_id, _ in broken:
                     pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
                 await pipe.execute(raise_on_error=False)
@@ -327,30 +362,60 @@ class AsyncProducer:
 
     # ------------------------------------------------------------------ waiting
 
-    async def wait_response(self, job_id: str, timeout: float, nonce: bytes | None = None) -> wire.Response:
+    async def wait_response(
+        self, job_id: str, timeout: float, nonce: bytes | None = None, model: str | None = None
+    ) -> wire.Response:
         """The job's response (see ``Producer.wait_response``)."""
         late = f"no result for job {job_id} within {timeout:g} s"
-        return (await self._reader.wait([job_id], [nonce], checks.wait_timeout(timeout), late))[0]
+        reader = (self._default if model is None else self._redis_for(model)).reader
+        return (await reader.wait([job_id], [nonce], checks.wait_timeout(timeout), late))[0]
 
     async def wait_responses(
-        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None = None
+        self,
+        job_ids: Sequence[str],
+        timeout: float,
+        nonces: Sequence[bytes | None] | None = None,
+        models: Sequence[str] | None = None,
     ) -> list[wire.Response]:
-        """The responses of many jobs, in order, waited for together."""
+        """The responses of many jobs, in order, waited for together. ``models``: each job's, under a
+        shard map (None: all on ``redis_url``); each Redis's reader waits for its jobs at the same time."""
         nonces = list(nonces) if nonces is not None else [None] * len(job_ids)
-        return await self._reader.wait(job_ids, nonces, checks.wait_timeout(timeout), None)
+        timeout = checks.wait_timeout(timeout)
+        if self._routes is None or models is None:
+            return await self._default.reader.wait(job_ids, nonces, timeout, None)
+        groups = self._routes.group(models)
+        waits = [
+            asyncio.ensure_future(each.reader.wait([job_ids[i] for i in at], [nonces[i] for i in at], timeout, None))
+            for each, at in groups
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for wait in waits:
+                wait.cancel()  # after an error the others stop waiting too
+            await asyncio.gather(*waits, return_exceptions=True)
+        for wait in waits:
+            if not wait.cancelled() and (error := wait.exception()) is not None:
+                raise error
+        responses: dict[int, wire.Response] = {}
+        for (_, at), wait in zip(groups, waits, strict=True):
+            responses.update(zip(at, wait.result(), strict=True))
+        return [responses[i] for i in range(len(job_ids))]
 
     async def results(self, jobs: Sequence[AsyncInferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
         """The outputs of many jobs, in order, waited for together. Raises InferenceFailed for the
         first job (in order) that failed, ResultTimeout if some had no result in time."""
-        responses = await self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs])
+        models = None if self._routes is None else [job.model for job in jobs]
+        responses = await self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs], models)
         return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
 
     async def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job (see AsyncInferenceJob.cancel)."""
+        connection = self.connection_for(model)
         try:
-            if not await self.connection.lrem(keys.queue_key(model), 0, job_id):
+            if not await connection.lrem(keys.queue_key(model), 0, job_id):
                 return False
-            async with self.connection.pipeline(transaction=True) as pipe:
+            async with connection.pipeline(transaction=True) as pipe:
                 enqueue.add_cancel(pipe, job_id, model)
                 await pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
         except redis.RedisError as exc:

@@ -230,7 +230,8 @@ def infer_files(
                 submitted.append((path, producer.submit(model, inputs)))
             except (InvalidInput, WireFormatError) as exc:
                 summary.failures.append((path.name, f"{type(exc).__name__}: {exc}"))
-        responses = producer.wait_responses([job.id for _, job in submitted], timeout) if submitted else []
+        ids = [job.id for _, job in submitted]
+        responses = producer.wait_responses(ids, timeout, models=[model] * len(ids)) if submitted else []
         for (path, _), response in zip(submitted, responses, strict=True):
             if response.error is not None:
                 summary.failures.append((path.name, f"{response.error.type}: {response.error.message}"))

@@ -169,12 +169,16 @@ def live_records(raws: Iterable[object]) -> list[dict[str, Any]]:
     return records
 
 
-def unknown_model(model: str, records: Iterable[Mapping[str, Any]]) -> UnknownModel:
+def unknown_model(model: str, records: Iterable[Mapping[str, Any]], shard: str | None = None) -> UnknownModel:
     """The error for a submit to ``model``, which has no published signature; ``records``: the
-    live workers, whose models are listed (and the closest one suggested)."""
+    live workers, whose models are listed (and the closest one suggested). ``shard``: the Redis the
+    shard map gives the model (password left out), named because a worker started on another one
+    looks exactly like this."""
     served = sorted({str(r["model"]) for r in records if isinstance(r.get("model"), str)})
     close = difflib.get_close_matches(model, served, n=1)
     found = f"Models with workers: {', '.join(served)}." if served else "No worker is running."
+    if shard is not None:
+        found = f"{found[:-1]} on {shard}, the Redis the shard map gives {model!r} (are its workers on another?)."
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return UnknownModel(
         f"no worker has served model {model!r} (it has no published signature); nothing was enqueued. "

@@ -19,6 +19,7 @@ from ortq.control import MAX_WORKERS
 from ortq.errors import BrokerUnavailable, OrtqError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
 from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.producer.routes import Routes
 from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
@@ -38,7 +39,7 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
         """
         key = keys.job_key(self.id)
         try:
-            raw = self.producer.connection.hget(key, "status")
+            raw = self.producer.connection_for(self.model).hget(key, "status")
         except redis.RedisError as exc:
             doing = f"could not read the status of job {self.id}"
             raise faults.failure(exc, doing, f"the record of job {self.id} ({key}) is no job hash") from exc
@@ -50,7 +51,7 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
         The arrays are read-only views onto the received frame (no copy); ``.copy()`` one to write to it.
         Raises InferenceFailed if the worker failed the job, ResultTimeout if nothing arrived in time.
         """
-        return enqueue.outputs_of(self.producer.wait_response(self.id, timeout, self.nonce), self.id)
+        return enqueue.outputs_of(self.producer.wait_response(self.id, timeout, self.nonce, self.model), self.id)
 
     def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it; returns whether it was removed."""
@@ -64,6 +65,11 @@ class Producer:
     enqueueing (the worker checks again either way). ``allow_unknown_models``: enqueue for a model
     no worker has published a signature for (fire-and-forget before any worker starts); by default
     that raises UnknownModel and enqueues nothing, which is what a mistyped model name needs.
+
+    ``settings.redis_shards`` (``$ORTQ_REDIS_SHARDS``) puts some models on other Redis instances
+    (ortq/shards.py): each model's jobs, results, handles and worker records are then on its own
+    Redis, through one client per Redis, opened at the first use of one of its models.
+    ``connection``: a client of your own for ``redis_url`` (not for the other Redis instances).
     """
 
     def __init__(
@@ -84,11 +90,27 @@ class Producer:
         self.validate = validate
         self.allow_unknown_models = allow_unknown_models
         self._signatures = checks.SignatureCache()
-        socket_timeout = self.connection.connection_pool.connection_kwargs.get("socket_timeout")
-        self._block = faults.block_seconds(self.settings, socket_timeout)
+        self._block = self._block_seconds(self.connection)
+        shards = self.settings.shards
+        self._routes = None if shards is None else Routes(shards, self.connection, self._open_redis)
+
+    def _open_redis(self, redis_url: str) -> redis.Redis:
+        """A client for another Redis of the shard map (no PING: its first command says what is wrong)."""
+        return self.settings.for_redis(redis_url).connect(check=False)
+
+    def _block_seconds(self, connection: redis.Redis) -> float:
+        socket_timeout = connection.connection_pool.connection_kwargs.get("socket_timeout")
+        return faults.block_seconds(self.settings, socket_timeout)
+
+    def connection_for(self, model: str) -> redis.Redis:
+        """The client of ``model``'s Redis: :attr:`connection`, unless the shard map puts the model
+        on another Redis."""
+        return self.connection if self._routes is None else self._routes.client(model)
 
     def close(self) -> None:
         self.connection.close()
+        for client in [] if self._routes is None else self._routes.opened():
+            client.close()
 
     def __enter__(self) -> Producer:
         return self
@@ -105,7 +127,7 @@ class Producer:
             return cached
         key = keys.signature_key(keys.check_model_name(model))
         try:
-            raw = self.connection.get(key)
+            raw = self.connection_for(model).get(key)
         except redis.RedisError as exc:
             doing = f"could not read the signature of {model!r}"
             raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
@@ -121,15 +143,16 @@ class Producer:
             return None
         signature = self.signature(model)
         if signature is None and not self.allow_unknown_models:
-            raise checks.unknown_model(model, self._live_records())
+            shard = None if self._routes is None else self._routes.where(model)
+            raise checks.unknown_model(model, self._live_records(self.connection_for(model)), shard)
         return signature if self.validate else None
 
-    def _live_records(self) -> list[dict[str, Any]]:
-        """Every live worker's record (hostile input: what cannot be read is skipped)."""
+    def _live_records(self, connection: redis.Redis) -> list[dict[str, Any]]:
+        """Every live worker's record on that Redis (hostile input: what cannot be read is skipped)."""
         try:
-            raw_names = self.connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
+            raw_names = connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
             names = checks.worker_names(raw_names or [])
-            raws = self.connection.mget([keys.worker_key(n) for n in names]) if names else []
+            raws = connection.mget([keys.worker_key(n) for n in names]) if names else []
         except redis.RedisError as exc:
             if faults.is_wrong_type(exc):  # not written by ortq: no worker to be found there
                 return []
@@ -137,8 +160,9 @@ class Producer:
         return checks.live_records(raws)
 
     def workers(self, model: str) -> list[dict[str, Any]]:
-        """The published records of the live workers serving ``model``."""
-        return [record for record in self._live_records() if record.get("model") == model]
+        """The published records of the live workers serving ``model`` (on its Redis)."""
+        records = self._live_records(self.connection_for(model))
+        return [record for record in records if record.get("model") == model]
 
     def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
@@ -212,16 +236,17 @@ class Producer:
         frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
         if not frames:
             return []
+        connection = self.connection_for(model)
         if self.settings.max_queue_length:
             # Checked before the MULTI: several producers at once can overshoot by their batches.
             try:
-                queued = self.connection.llen(keys.queue_key(model))
+                queued = connection.llen(keys.queue_key(model))
             except redis.RedisError as exc:
                 wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
                 raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
             checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
         try:
-            ids = self._enqueue(model, frames, options)
+            ids = self._enqueue(connection, model, frames, options)
         except redis.RedisError as exc:
             error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
             if isinstance(error, BrokerUnavailable):
@@ -229,29 +254,29 @@ class Producer:
             raise error from exc
         return [InferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
 
-    def _enqueue(self, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
+    def _enqueue(self, connection: redis.Redis, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
         """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
         instead; any other job Redis refused is removed again (its request and hash) and reported,
         so that nothing is left half-enqueued."""
         try:
-            with self.connection.pipeline(transaction=True) as pipe:
+            with connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
                 results = pipe.execute(raise_on_error=False)
         except redis.ResponseError as exc:
             if not enqueue.is_refused_fcall(exc, options):
                 raise
-            with self.connection.pipeline(transaction=True) as pipe:
+            with connection.pipeline(transaction=True) as pipe:
                 ids = [add_enqueue(pipe, model, frame, options, by_eval=True) for frame in frames]
                 results = pipe.execute(raise_on_error=False)
         by_eval, broken = enqueue.split_failures(results, ids)
         if by_eval:
-            with self.connection.pipeline(transaction=False) as pipe:
+            with connection.pipeline(transaction=False) as pipe:
                 for job_id in by_eval:
                     enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
                 again = pipe.execute(raise_on_error=False)
             broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
         if broken:
-            with self.connection.pipeline(transaction=True) as pipe:
+            with connection.pipeline(transaction=True) as pipe:
                 for job_id, _ in broken:
                     pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
                 pipe.execute(raise_on_error=False)
@@ -274,42 +299,72 @@ class Producer:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait_response(self, job_id: str, timeout: float, nonce: bytes | None = None) -> wire.Response:
+    def wait_response(
+        self, job_id: str, timeout: float, nonce: bytes | None = None, model: str | None = None
+    ) -> wire.Response:
         """Wait for the job's response (its reply stream, read with XREAD, which leaves it for
-        other readers until it expires); with ``nonce``, check that it answers that request."""
-        return self._wait([job_id], timeout, [nonce], f"no result for job {job_id} within {timeout:g} s")[0]
+        other readers until it expires); with ``nonce``, check that it answers that request.
+        ``model``: the job's, which says where its reply is under a shard map (None: ``redis_url``)."""
+        connection = self.connection if model is None else self.connection_for(model)
+        deadline = time.monotonic() + checks.wait_timeout(timeout)
+        late = f"no result for job {job_id} within {timeout:g} s"
+        return self._wait(connection, [job_id], [nonce], deadline, timeout, late)[0]
 
     def wait_responses(
-        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None = None
+        self,
+        job_ids: Sequence[str],
+        timeout: float,
+        nonces: Sequence[bytes | None] | None = None,
+        models: Sequence[str] | None = None,
     ) -> list[wire.Response]:
         """The responses of many jobs, in order: one XREAD returns every reply that is there, or
-        blocks until the first of them arrives, and so on until all are in."""
-        return self._wait(job_ids, timeout, nonces, None)
+        blocks until the first of them arrives, and so on until all are in. ``models``: each job's,
+        under a shard map (None: all on ``redis_url``); jobs on several Redis instances are waited
+        for one Redis after the other against one deadline, their replies kept by Redis meanwhile."""
+        deadline = time.monotonic() + checks.wait_timeout(timeout)
+        nonces = nonces if nonces is not None else [None] * len(job_ids)
+        if self._routes is None or models is None:
+            return self._wait(self.connection, job_ids, nonces, deadline, timeout, None)
+        responses: dict[int, wire.Response] = {}
+        for number, (connection, positions) in enumerate(self._routes.group(models)):
+            ids = [job_ids[i] for i in positions]
+            # After the first Redis, look once even if the time is up: these replies may be in.
+            found = self._wait(connection, ids, [nonces[i] for i in positions], deadline, timeout, None, number > 0)
+            responses.update(zip(positions, found, strict=True))
+        return [responses[i] for i in range(len(job_ids))]
 
     def _wait(
-        self, job_ids: Sequence[str], timeout: float, nonces: Sequence[bytes | None] | None, late: str | None
+        self,
+        connection: redis.Redis,
+        job_ids: Sequence[str],
+        nonces: Sequence[bytes | None],
+        deadline: float,
+        timeout: float,
+        late: str | None,
+        look_once: bool = False,
     ) -> list[wire.Response]:
-        nonce_of = dict(zip(job_ids, nonces if nonces is not None else [None] * len(job_ids), strict=True))
+        nonce_of = dict(zip(job_ids, nonces, strict=True))
         responses: dict[str, wire.Response] = {}
         outage = faults.Outage()
-        deadline = time.monotonic() + checks.wait_timeout(timeout)
+        block = self._block if connection is self.connection else self._block_seconds(connection)
         while True:
             pending = [job_id for job_id in nonce_of if job_id not in responses]
             if not pending:
                 return [responses[job_id] for job_id in job_ids]
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 and not look_once:
                 raise outage.error(late or f"{len(pending)} of {len(job_ids)} jobs had no result within {timeout:g} s")
+            look_once = False
             reading = pending[:_XREAD_STREAMS]
             try:
                 # Blocks stay under the socket timeout, which would otherwise cut a long one short.
-                block_ms = max(1, int(min(remaining, self._block) * 1000))
-                reply = self.connection.xread(enqueue.reply_streams(reading), block=block_ms)  # type: ignore[arg-type]
+                block_ms = max(1, int(min(remaining, block) * 1000))
+                reply = connection.xread(enqueue.reply_streams(reading), block=block_ms)  # type: ignore[arg-type]
             except redis.RedisError as exc:
                 if faults.is_down(exc):
                     time.sleep(max(0.0, min(outage.failed(exc, "could not read replies"), deadline - time.monotonic())))
                     continue
-                raise self._unreadable_reply(reading, exc) from exc
+                raise self._unreadable_reply(connection, reading, exc) from exc
             outage.recovered()
             for job_id, frame in enqueue.frames_in(reply).items():
                 if isinstance(frame, OrtqError):
@@ -317,14 +372,14 @@ class Producer:
                 max_bytes = self.settings.max_frame_bytes
                 responses[job_id] = enqueue.read_response(frame, job_id, nonce_of.get(job_id), max_bytes)
 
-    def _unreadable_reply(self, job_ids: Sequence[str], exc: redis.RedisError) -> OrtqError:
+    def _unreadable_reply(self, connection: redis.Redis, job_ids: Sequence[str], exc: redis.RedisError) -> OrtqError:
         """XREAD refused: one of the reply keys is not a stream (written by someone else), or the
         Redis user may not read them."""
         refusal = enqueue.read_refusal(exc)
         if refusal is not None:
             return refusal
         try:
-            with self.connection.pipeline(transaction=False) as pipe:
+            with connection.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
                     enqueue.add_probe(pipe, job_id)
                 probes = pipe.execute(raise_on_error=False)
@@ -341,15 +396,17 @@ class Producer:
         Raises InferenceFailed for the first job (in order) that failed, ResultTimeout if some had
         no result in time.
         """
-        responses = self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs])
+        models = None if self._routes is None else [job.model for job in jobs]
+        responses = self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs], models)
         return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
 
     def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job (see InferenceJob.cancel)."""
+        connection = self.connection_for(model)
         try:
-            if not self.connection.lrem(keys.queue_key(model), 0, job_id):
+            if not connection.lrem(keys.queue_key(model), 0, job_id):
                 return False
-            with self.connection.pipeline(transaction=True) as pipe:
+            with connection.pipeline(transaction=True) as pipe:
                 enqueue.add_cancel(pipe, job_id, model)
                 pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
         except redis.RedisError as exc:

@@ -306,7 +306,7 @@ def _read_tensors(header: dict[str, Any], key: str, data: memoryview) -> dict[st
         _fail(f"header {key!r} must be a map of tensor descriptors, got {type(descriptors).__name__}")
     arrays: dict[str, NDArray[Any]] = {}
     for name, desc in descriptors.items():
-        where = f"tensor {_short(name)} in {key!r}"
+        where = _Where(name, key)  # formatted only for an error message
         if not isinstance(name, str) or not name:
             _fail(f"{where}: tensor names must be non-empty strings")
         if not isinstance(desc, dict):
@@ -332,6 +332,18 @@ def _read_tensors(header: dict[str, Any], key: str, data: memoryview) -> dict[st
             _fail(f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)")
         arrays[name] = np.frombuffer(data, dtype=wire, count=count, offset=offset).reshape(shape)
     return arrays
+
+
+class _Where:
+    """Which tensor of a header an error is about, formatted when the message is."""
+
+    __slots__ = ("key", "name")
+
+    def __init__(self, name: object, key: str) -> None:
+        self.name, self.key = name, key
+
+    def __format__(self, spec: str) -> str:
+        return f"tensor {_short(self.name)} in {self.key!r}"
 
 
 def _timings(timings: Mapping[str, float] | None) -> dict[str, float]:

@@ -118,7 +118,7 @@ def test_an_unexpected_error_ends_it_with_status_1(
     def broken(block: bool) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(worker.intake, "take", broken)
+    monkeypatch.setattr(worker.feeder.intake, "take", broken)
     assert worker.serve(handle_signals=False) == EXIT_CRASHED
 
 

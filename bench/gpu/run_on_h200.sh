@@ -14,10 +14,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export LD_LIBRARY_PATH=$(python3 -c "import os,glob,nvidia;r=os.path.dirname(nvidia.__path__[0]);print(':'.join(sorted({os.path.dirname(p) for p in glob.glob(r+'/nvidia/**/lib*.so*',recursive=True)})))"):${LD_LIBRARY_PATH:-}
 export PATH=$PWD/.gpurun/bin:$PATH PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv
-# What to run: bench/gpu/cuda_e2e.py (one worker per adapter spec) and/or bench/gpu/pool_e2e.py
-# (ortq pool, workers per GPU); default both. Each writes its JSON report to $OUT.
+# What to run: bench/gpu/cuda_e2e.py (one worker per adapter spec), bench/gpu/pool_e2e.py (ortq
+# pool, workers per GPU), bench/gpu/throughput.py (issue 14's yardsticks), bench/gpu/webgpu_vs_cuda.py;
+# default the first two. Each writes its JSON report to $OUT/<name>$ORTQ_GPU_BENCH_TAG.json;
+# ORTQ_GPU_BENCH_ARGS is added to each one's arguments (e.g. "--workloads conv --io-threads 4").
 status=0
 for what in ${ORTQ_GPU_BENCH:-cuda_e2e pool_e2e}; do
-    /tmp/v/bin/python -m "bench.gpu.$what" --models .gpurun/models --out "${OUT:-/tmp}/$what.json" || status=1
+    # shellcheck disable=SC2086  # ORTQ_GPU_BENCH_ARGS is a list of arguments
+    /tmp/v/bin/python -m "bench.gpu.$what" --models .gpurun/models \
+        --out "${OUT:-/tmp}/$what${ORTQ_GPU_BENCH_TAG:-}.json" ${ORTQ_GPU_BENCH_ARGS:-} || status=1
 done
 exit $status

@@ -16,15 +16,15 @@ transactions already do.
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from base64 import b64encode
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any, cast
-from uuid import uuid4
 
 import redis
 
@@ -52,6 +52,7 @@ JOB_FIELDS = (
     "failure_callback_name",
     "stopped_callback_name",
 )
+_JOB_FIELD_KEYS = tuple(name.encode() for name in JOB_FIELDS)
 
 #: How long a started job's records live unless refreshed, for a job without a timeout: RQ's
 #: SimpleWorker.get_heartbeat_ttl (with a timeout: timeout + 60 s). ortq's heartbeat refreshes them
@@ -116,6 +117,7 @@ class Finished:
     frame: bytes
     ttl: int
     return_value: bytes  # RQ's result, already msgpack
+    timings: dict[str, float] = field(default_factory=dict)  # for the worker's metrics
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,10 @@ class Book:
         up to ``more`` jobs popped after it; ``parse_start`` reads the reply. The request frames
         of those others come back with it when at most ``inline`` bytes."""
         moment = utcnow()
-        executions = [uuid4().hex for _ in range(1 + more)]  # RQ's execution ids
+        # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the system's
+        # random source for all of them.
+        random = os.urandom(16 * (1 + more)).hex()
+        executions = [random[i : i + 32] for i in range(0, len(random), 32)]
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
         self._call("start", [*args, inline, first_id, *executions], client=pipe)
         return moment
@@ -161,7 +166,7 @@ class Book:
         started = []
         for job_id, execution, values, oversized, ttl, frame_size, frame in started_raw:
             # An oversized field leaves no values at all (nothing was read): the job is failed for it.
-            fields = {name.encode(): v for name, v in zip(JOB_FIELDS, values, strict=False) if v}
+            fields = {name: v for name, v in zip(_JOB_FIELD_KEYS, values, strict=False) if v}
             started.append(
                 StartedJob(
                     keys.as_text(job_id),
@@ -258,11 +263,14 @@ class Book:
         """RQ's registry cleanup for this queue; the names of keys removed for holding the wrong type."""
         return [keys.as_text(k) for k in self._call("maintain", [self.queue.name, utcnow().timestamp()])]
 
-    def abandoned(self, dead_after: float, own: bool, limit: int = 1000) -> list[tuple[str, str, str]]:
+    def abandoned(
+        self, dead_after: float, own: bool, held: frozenset[str] = frozenset(), limit: int = 1000
+    ) -> list[tuple[str, str, str]]:
         """(job id, execution id, worker name) of this queue's started jobs whose worker has sent
         no heartbeat for ``dead_after`` seconds (or whose records are gone). With ``own``, this
-        worker's own entries count too: it asks while it runs nothing, so a started job of its own
-        is one whose start reply was lost. At most ``limit`` entries are looked at per call."""
+        worker's own entries count too, but for those it holds (``held``: execution ids): a
+        started job of its own that it does not hold is one whose start reply was lost. At most
+        ``limit`` entries are looked at per call."""
         started = self.queue.started
         if keys.as_text(self.connection.type(started)) != "zset":
             return []
@@ -285,7 +293,7 @@ class Book:
         for (job_id, execution), raw_owner in zip(parsed, owners, strict=True):
             owner = raw_owner if isinstance(raw_owner, str) else None
             if owner == self.worker_name:
-                if own:
+                if own and execution not in held:
                     found.append((job_id, execution, owner))
                 continue
             beat = beats.get(owner) if owner else None

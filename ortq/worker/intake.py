@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import cast
 
@@ -44,8 +46,21 @@ class Taken:
 class Intake:
     """Takes jobs for one worker: blocking in short slices, so that stop requests are seen."""
 
-    def __init__(self, connection: redis.Redis, book: Book, settings: Settings, max_batch: int, max_wait: float):
+    def __init__(
+        self,
+        connection: redis.Redis,
+        book: Book,
+        settings: Settings,
+        max_batch: int,
+        max_wait: float,
+        on_started: Callable[[list[StartedJob]], None] = lambda started: None,
+        starting: AbstractContextManager[object] | None = None,
+    ) -> None:
+        """``on_started`` is called with the jobs of each start script, inside ``starting`` (held
+        from sending the script until then)."""
         self.connection = connection
+        self.on_started = on_started
+        self.starting = starting if starting is not None else nullcontext()
         self.book = book
         self.settings = settings
         self.max_batch = max_batch
@@ -87,13 +102,14 @@ class Intake:
         """Start ``first`` (and up to ``more`` queued after it) and read their frames."""
         limit = self.settings.max_frame_bytes
         first_text = first.decode(errors="replace")
-        with self.connection.pipeline(transaction=False) as pipe:
+        with self.starting, self.connection.pipeline(transaction=False) as pipe:
             moment = self.book.queue_start(pipe, first, more, inline=min(limit, INLINE_FRAME_BYTES))
             pipe.getrange(keys.request_key(first_text), 0, limit)
             reply, first_frame = pipe.execute(raise_on_error=False)
-        if isinstance(reply, Exception):
-            raise reply
-        started, skipped = self.book.parse_start(reply, moment)
+            if isinstance(reply, Exception):
+                raise reply
+            started, skipped = self.book.parse_start(reply, moment)
+            self.on_started(started)
         for entry in skipped:
             self._skip(entry)
         frames: dict[str, object] = {}

@@ -2,8 +2,8 @@
 ortq's own (``ortq:worker:<name>``, ``ortq:workers``, the model's signature), with its state and the
 jobs it holds, refreshed by each heartbeat and removed when it stops.
 
-The main thread says what it holds (``hold``/``release``) and what it is doing (``set_state``);
-the heartbeat thread publishes it (``heartbeat``). A lock keeps the two apart.
+The worker's threads say what they hold (``hold``/``release``) and what the worker is doing
+(``set_state``); the heartbeat thread publishes it (``heartbeat``). A lock keeps them apart.
 """
 
 from __future__ import annotations
@@ -40,26 +40,41 @@ class Presence:
         self.records = WorkerRecords(name, queue_name)
         self.state = "started"
         self._signature_json = json.dumps({"model": identity.model, **signature.to_json()})
-        self._running: list[StartedJob] = []
+        #: The jobs the worker holds (started, not yet answered), by execution id.
+        self._held: dict[str, StartedJob] = {}
         self._lock = threading.Lock()
+        #: Held by the feeder from sending a start script until its jobs are held, and by the
+        #: replier from finding that an answer leaves the worker idle until it has written "idle":
+        #: so "idle" never lands after a start's "busy" (start.lua writes that one).
+        self.starting = threading.Lock()
 
-    # ------------------------------------------------------------------ the main thread's side
+    # ------------------------------------------------------------------ the worker threads' side
 
     def hold(self, jobs: Sequence[StartedJob]) -> None:
-        """The main thread has started ``jobs``: heartbeats keep their records fresh from now on."""
+        """The worker has started ``jobs``: heartbeats keep their records fresh until released."""
         with self._lock:
-            self._running = list(jobs)
-        self.state = "busy"
+            self._held.update((job.execution_id, job) for job in jobs)
+        self.state = "busy"  # start.lua wrote it
 
-    def release(self) -> None:
-        """The main thread has answered every job it held."""
+    def release(self, jobs: Sequence[StartedJob]) -> None:
+        """The worker has answered ``jobs`` (or let them go to be taken back)."""
         with self._lock:
-            self._running = []
-        self.state = "idle"
+            for job in jobs:
+                self._held.pop(job.execution_id, None)
 
-    def set_state(self, connection: redis.Redis, state: str) -> None:
-        """RQ's worker state, written when it changes."""
-        if state == self.state:
+    def held_executions(self) -> frozenset[str]:
+        """The execution ids of the jobs held now."""
+        with self._lock:
+            return frozenset(self._held)
+
+    def holds_only(self, jobs: Sequence[StartedJob]) -> bool:
+        """Whether the worker holds nothing besides ``jobs``: answering them leaves it idle."""
+        with self._lock:
+            return self._held.keys() <= {job.execution_id for job in jobs}
+
+    def set_state(self, connection: redis.Redis, state: str, force: bool = False) -> None:
+        """RQ's worker state, written when it changes (``force``: when scripts may have changed it)."""
+        if state == self.state and not force:
             return
         self.state = state
         try:
@@ -91,7 +106,7 @@ class Presence:
         """RQ's heartbeat of the worker and of the jobs it holds, and ortq's records; one round
         trip. A record of the wrong type (written by someone else) is written again."""
         with self._lock:
-            running = list(self._running)
+            running = list(self._held.values())
         with connection.pipeline(transaction=False) as pipe:
             index = self.records.queue_heartbeat(pipe, running)
             pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)

@@ -279,7 +279,7 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
     label = (
         "cpu" if identity.provider == "CPUExecutionProvider" else str(adapter.get("name") or adapter.get("spec") or 0)
     )
-    queue = worker.book.queue.queue
+    queue = worker.upkeep.book.queue.queue
     return WorkerMetrics(
         identity.model,
         label,

@@ -63,11 +63,12 @@ class Upkeep:
         if self._every("functions", 30.0):
             ensure_functions(self.book.connection)
 
-    def while_idle(self) -> None:
-        """Called by the main thread only while it holds no started job: a started job of its own is
-        then one whose start reply was lost (a Redis restart, a dropped connection)."""
+    def while_idle(self, held: frozenset[str]) -> None:
+        """Called between takes: a started job of this worker's own that it does not hold (``held``:
+        execution ids) is one whose start reply was lost (a Redis restart, a dropped connection), or
+        one it let go after a failed answer."""
         if self._every("own", self.settings.heartbeat_seconds / 2):
-            self.recover_abandoned(own=True)
+            self.recover_abandoned(own=True, held=held)
 
     def rescue(self) -> None:
         for _ in range(10):  # a long hostile list is worked through in bounded steps
@@ -79,13 +80,13 @@ class Upkeep:
             if not full:
                 return
 
-    def recover_abandoned(self, own: bool) -> None:
+    def recover_abandoned(self, own: bool, held: frozenset[str] = frozenset()) -> None:
         """Take back jobs whose worker died mid-run (SIGKILL, OOM, a GPU reset): their started
         entry stays while their worker's heartbeat, kept up even during a run, stops. Such a job is
         requeued at the front, or failed with WorkerLost once it has been taken back
         MAX_RECOVERIES times (a job that crashes every worker must not crash them all)."""
         me = self.book.worker_name
-        for job_id, execution_id, owner in self.book.abandoned(3 * self.settings.heartbeat_seconds, own):
+        for job_id, execution_id, owner in self.book.abandoned(3 * self.settings.heartbeat_seconds, own, held):
             if owner == me:
                 message = "this worker's reply to starting the job was lost (Redis restarted or the connection dropped)"
             else:

@@ -1,0 +1,323 @@
+"""One GPU's throughput through one Redis, side by side in one run: issue 14's three yardsticks.
+
+    python -m bench.gpu.throughput --models DIR [--provider cuda] [--workers 1,2,4] [--out FILE.json]
+
+DIR holds digits.onnx and conv.onnx (tests/onnx_models.py). Three workloads: ``digits`` (one
+64-float row a job), ``digits32`` (32 rows a job: a producer that batches itself) and ``conv`` (one
+3x224x224 image a job, about 600 KB each way). For each, measured here in one run:
+
+1. **direct**: ``session.run`` on the provider at the batch the workers run (rows/s);
+2. **floor**: what this Redis carries for the same traffic and the same number of consumers, with
+   nothing else: consumer processes pop the request frames (already in a list) in batches as large
+   as the workers', and push a reply of the response's size for each; no decode, no run (jobs/s);
+3. **ortq**: 1, 2, 4 real ``ortq worker`` processes with ``--max-batch``: the queue is filled while
+   the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
+   job (utime+stime from /proc) and Redis's (INFO cpu), so a miss says which side the time went to.
+
+Ratios printed: ortq rows/s over direct, ortq jobs/s over the floor. Producers are not measured:
+the queue is full before the clock starts. Exit status 0 when every drain answered every job with
+outputs equal to a direct run on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import redis
+
+from ortq import keys, wire
+from ortq.localredis import LocalRedis
+from ortq.producer import Producer
+from ortq.rqcompat import layout
+from ortq.settings import Settings
+
+PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # file stem in --models
+    input_name: str
+    row: tuple[int, ...]
+    rows_per_job: int
+    max_batch: int  # rows a worker runs at once
+    jobs: int
+
+
+WORKLOADS = [
+    Workload("digits", "digits", "pixels", (64,), 1, 32, 30_000),
+    Workload("digits32", "digits", "pixels", (64,), 32, 32, 3_000),
+    Workload("conv", "conv", "image", (3, 224, 224), 1, 8, 2_000),
+]
+
+
+def job_inputs(work: Workload, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {work.input_name: rng.standard_normal((work.rows_per_job, *work.row)).astype(np.float32)}
+
+
+def session_for(model: Path, provider: str) -> ort.InferenceSession:
+    return ort.InferenceSession(str(model), providers=[PROVIDERS[provider]])
+
+
+def direct(work: Workload, model: Path, provider: str, seconds: float = 2.0) -> float:
+    """Rows per second of session.run at the workers' batch."""
+    session = session_for(model, provider)
+    batch = {
+        work.input_name: np.concatenate([job_inputs(work, 0)[work.input_name]] * (work.max_batch // work.rows_per_job))
+    }
+    for _ in range(20):
+        session.run(None, batch)
+    runs, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        session.run(None, batch)
+        runs += 1
+    return runs * work.max_batch / elapsed
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def redis_cpu(connection: redis.Redis) -> float:
+    info = connection.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def wait_drained(connection: redis.Redis, queue_key: str, total: int, done: Any, timeout: float = 300) -> float:
+    """Seconds from the first job leaving ``queue_key`` (which holds ``total``) until ``done()``
+    reaches ``total``."""
+    deadline = time.monotonic() + timeout
+    while connection.llen(queue_key) >= total:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the drain did not start")
+        time.sleep(0.0005)
+    started = time.perf_counter()
+    while done() < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"drained {done()} of {total}")
+        time.sleep(0.002)
+    return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------ the floor
+
+
+def floor_consumer(url: str, queue_key: str, batch: int, reply_bytes: int) -> None:
+    """One consumer of the floor: pop up to ``batch`` frames, push a reply of ``reply_bytes`` each."""
+    connection = redis.Redis.from_url(url, socket_timeout=None)
+    reply = os.urandom(reply_bytes)
+    while True:
+        popped = connection.blmpop(0, 1, queue_key, direction="LEFT", count=batch)
+        frames = popped[1]  # type: ignore[index]
+        stops = frames.count(b"stop")
+        if stops:  # one for each consumer: the ones popped here that are another's go back
+            if stops > 1:
+                connection.rpush(queue_key, *[b"stop"] * (stops - 1))
+            return
+        with connection.pipeline(transaction=False) as pipe:
+            for _ in frames:
+                pipe.rpush(queue_key + ":reply", reply)
+            pipe.execute()
+
+
+def floor(url: str, work: Workload, consumers: int, frame: bytes, reply_bytes: int) -> dict[str, float]:
+    connection = redis.Redis.from_url(url)
+    queue_key, reply_key = f"floor:{work.name}", f"floor:{work.name}:reply"
+    connection.delete(queue_key, reply_key)
+    with connection.pipeline(transaction=False) as pipe:
+        for i in range(work.jobs):
+            pipe.rpush(queue_key, frame)
+            if i % 500 == 499:
+                pipe.execute()
+        pipe.execute()
+    before = redis_cpu(connection)
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.gpu.throughput",
+                "--floor-consumer",
+                url,
+                queue_key,
+                str(work.max_batch // work.rows_per_job),
+                str(reply_bytes),
+            ]
+        )
+        for _ in range(consumers)
+    ]
+    seconds = wait_drained(connection, queue_key, work.jobs, lambda: connection.llen(reply_key))
+    spent = redis_cpu(connection) - before
+    connection.rpush(queue_key, *[b"stop"] * consumers)
+    for process in processes:
+        process.wait(30)
+    connection.delete(queue_key, reply_key)
+    return {"jobs_per_s": work.jobs / seconds, "redis_cpu_us_per_job": 1e6 * spent / work.jobs}
+
+
+# ------------------------------------------------------------------ ortq
+
+
+def start_workers(url: str, model: Path, work: Workload, provider: str, count: int) -> list[subprocess.Popen[bytes]]:
+    adapter = ["--adapter", "0"] if provider != "cpu" else []
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ortq",
+                "worker",
+                "--model",
+                str(model),
+                "--name",
+                work.name,
+                "--provider",
+                provider,
+                *adapter,
+                "--redis-url",
+                url,
+                "--max-batch",
+                str(work.max_batch),
+                "--max-wait-ms",
+                "2",
+                "--rows-independent",
+                "--threads",
+                "1",
+                "--worker-name",
+                f"{work.name}-{count}-{i}",
+            ]
+        )
+        for i in range(count)
+    ]
+
+
+def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int) -> dict[str, Any]:
+    settings = Settings.from_url(url)
+    connection = settings.connect()
+    connection.set(layout.suspended_key(), 1)
+    workers = start_workers(url, model, work, provider, count)
+    try:
+        with Producer(settings=settings) as producer:
+            producer.wait_for_workers(work.name, count, timeout=120)
+            inputs = [job_inputs(work, seed) for seed in range(8)]
+            jobs = producer.submit_many(work.name, [inputs[i % 8] for i in range(work.jobs)])
+            finished = layout.QueueKeys.of(keys.queue_name(work.name)).finished
+            cpu_before = [cpu_seconds(w.pid) for w in workers]
+            redis_before = redis_cpu(connection)
+            connection.delete(layout.suspended_key())
+            base = connection.zcard(finished)  # earlier drains' jobs
+            seconds = wait_drained(
+                connection, keys.queue_key(work.name), work.jobs, lambda: connection.zcard(finished) - base
+            )
+            worker_cpu = sum(cpu_seconds(w.pid) for w in workers) - sum(cpu_before)
+            redis_spent = redis_cpu(connection) - redis_before
+            session = session_for(model, "cpu")
+            want = [session.run(None, x)[0] for x in inputs]
+            checked = producer.results([jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))], timeout=60)
+            worst = max(
+                float(np.max(np.abs(next(iter(out.values())) - want[(i * max(1, work.jobs // 200)) % 8])))
+                for i, out in enumerate(checked)
+            )
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(60)
+        connection.delete(layout.suspended_key())
+    return {
+        "workers": count,
+        "jobs_per_s": work.jobs / seconds,
+        "rows_per_s": work.jobs * work.rows_per_job / seconds,
+        "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
+        "redis_cpu_us_per_job": 1e6 * redis_spent / work.jobs,
+        "max_abs_diff_vs_cpu": worst,
+        "outputs_close": worst < 1e-3,
+    }
+
+
+def measure(url: str, models: Path, work: Workload, provider: str, counts: list[int]) -> dict[str, Any]:
+    model = models / f"{work.model}.onnx"
+    one = job_inputs(work, 0)
+    frame = wire.encode_request(one)
+    reply_bytes = len(wire.encode_response({"y": session_for(model, "cpu").run(None, one)[0]}))
+    row: dict[str, Any] = {
+        "workload": work.name,
+        "jobs": work.jobs,
+        "rows_per_job": work.rows_per_job,
+        "batch_rows": work.max_batch,
+        "frame_bytes": len(frame),
+        "reply_bytes": reply_bytes,
+    }
+    row["direct_rows_per_s"] = direct(work, model, provider)
+    row["runs"] = []
+    for count in counts:
+        run = ortq_drain(url, model, work, provider, count)
+        run["floor"] = floor(url, work, count, frame, reply_bytes)
+        run["vs_floor"] = run["jobs_per_s"] / run["floor"]["jobs_per_s"]
+        run["vs_direct_rows"] = run["rows_per_s"] / row["direct_rows_per_s"]
+        row["runs"].append(run)
+        print(json.dumps({"workload": work.name, **run}), flush=True)
+    return row
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'workload':10} {'w':>2} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13} {'x direct':>8} "
+        f"{'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}"
+    )
+    for row in rows:
+        for run in row["runs"]:
+            print(
+                f"{row['workload']:10} {run['workers']:>2} {run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
+                f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
+                f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f}"
+            )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--floor-consumer":
+        url, queue_key, batch, reply_bytes = sys.argv[2:6]
+        floor_consumer(url, queue_key, int(batch), int(reply_bytes))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--provider", choices=sorted(PROVIDERS), default="cuda")
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's job count")
+    parser.add_argument("--io-threads", type=int, default=1, help="redis-server's io-threads")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    counts = [int(c) for c in args.workers.split(",")]
+    chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    extra = ("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ()
+    rows = []
+    with LocalRedis(extra_args=extra) as server:
+        for work in chosen:
+            scaled = Workload(**{**work.__dict__, "jobs": max(64, int(work.jobs * args.scale))})
+            rows.append(measure(server.url, args.models, scaled, args.provider, counts))
+    report(rows)
+    ok = all(run["outputs_close"] for row in rows for run in row["runs"])
+    if args.out:
+        args.out.write_text(
+            json.dumps({"provider": args.provider, "redis_args": extra, "rows": rows, "ok": ok}, indent=1)
+        )
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""One job through the worker's stages, without I/O: **check** a taken job (decode its request,
+check it against the model), and **encode** its answer: the response of a successful run, or the
+failure of a bad or failed one (with RQ's retry rules). The worker's threads call these; Redis is
+written by ortq.rqcompat.book.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ortq import keys, wire
+from ortq.errors import InvalidInput, InvalidJob, OrtqError, RequestExpired, UnknownJobFunction
+from ortq.rqcompat.book import Finished, Retry, StartedJob
+from ortq.rqjob import MAX_SECONDS, JobRecord
+from ortq.serializer import MsgpackSerializer
+from ortq.settings import Settings
+from ortq.signature import ModelSignature
+from ortq.worker.intake import Taken
+
+log = logging.getLogger("ortq.worker")
+
+
+@dataclass
+class Pending:
+    """A job whose request decoded and fits the model, waiting for its group's run."""
+
+    job: JobRecord
+    started: StartedJob
+    inputs: dict[str, np.ndarray]
+    timings: dict[str, float]
+    rows: int
+    nonce: bytes | None
+
+
+@dataclass
+class Failure:
+    """A job to fail (or, with ``retry``, to put back for another attempt), as book.fail takes it."""
+
+    started: StartedJob
+    error_type: str
+    error: bytes
+    ttl: int
+    reason: str
+    retry: Retry | None
+    timings: dict[str, float]
+
+
+def check(
+    taken: Taken, signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
+) -> Pending | Failure:
+    """Stage 3: decode and check one job's request; its Failure when it is bad."""
+    started = taken.started
+    job = JobRecord.parse(started.job_id, started.fields)
+    timings: dict[str, float] = {}
+    if job.enqueued_at is not None:
+        timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
+    if batching:
+        timings["batch_wait"] = batch_wait
+    nonce = None
+    try:
+        if started.oversized is not None:  # not read: what it would have said is unknown
+            raise InvalidJob(f"job field {started.oversized!r} is larger than an ortq job's can be")
+        if job.forbidden is not None:
+            log.error("refusing job %s: %s", job.job_id, job.forbidden)
+            raise UnknownJobFunction(job.forbidden)
+        waited = timings.get("queue")
+        if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
+            raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
+        frame = taken.frame
+        if frame is None:
+            raise RequestExpired(
+                f"the request tensors of job {job.job_id} were gone when a worker took it "
+                "(its ttl passed, or they were deleted)"
+            )
+        if isinstance(frame, OrtqError):
+            raise frame
+        t0 = time.perf_counter()
+        request = wire.decode_request(frame, max_bytes=settings.max_frame_bytes)
+        nonce = request.nonce
+        signature.check_inputs(request.inputs)
+        rows = rows_of(request.inputs) if batching else 1
+        timings["decode"] = time.perf_counter() - t0
+    except Exception as exc:
+        return failure(started, job, exc, timings, nonce, settings)
+    return Pending(job, started, request.inputs, timings, rows, nonce)
+
+
+def failure(
+    started: StartedJob,
+    job: JobRecord,
+    exc: BaseException,
+    timings: dict[str, float],
+    nonce: bytes | None,
+    settings: Settings,
+) -> Failure:
+    """How one job fails: its error reply and RQ's failure records; or, when it has retries left
+    and the failure is not the job's own fault (an OrtqError: bad input, expiry, a timeout), back
+    for another attempt."""
+    error_type = type(exc).__name__
+    message = str(exc) or error_type
+    retry = None
+    if job.retries_left > 0 and not isinstance(exc, OrtqError):
+        wait = job.retry_interval()
+        # Its hash lives as a queued job's does (ortq.producer.enqueue): its wait, then failure_ttl.
+        waiting = min(job.ttl, settings.request_ttl) if job.ttl and job.ttl > 0 else settings.request_ttl
+        ttl = wait + waiting + ttl_of(job.failure_ttl, settings.failure_ttl)
+        retry = Retry(job.retries_left - 1, time.time() + wait if wait else None, ttl)
+    error = wire.encode_error(error_type, message, timings, nonce)
+    reason = f"{error_type}: {message}"
+    return Failure(started, error_type, error, ttl_of(job.failure_ttl, settings.failure_ttl), reason, retry, timings)
+
+
+def finished(member: Pending, outputs: dict[str, np.ndarray], run: float, batch_size: int, ttl: int) -> Finished:
+    """Stage 6 for one job of a run: its response frame and RQ's result summary."""
+    timings = {**member.timings, "run": run}
+    t0 = time.perf_counter()
+    frame = wire.encode_response(outputs, timings, member.nonce)
+    timings["encode"] = time.perf_counter() - t0
+    summary = {
+        "reply_key": keys.reply_key(member.job.job_id),
+        "outputs": {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()},
+        "batch_size": batch_size,
+        "timings": timings,
+    }
+    return Finished(member.started, frame, ttl, MsgpackSerializer.dumps(summary), timings)
+
+
+def rows_of(inputs: dict[str, np.ndarray]) -> int:
+    """The rows a job adds to a batch: every input's first dimension, which must agree."""
+    sizes = {name: value.shape[0] if value.ndim else None for name, value in inputs.items()}
+    distinct = set(sizes.values())
+    if len(distinct) != 1 or None in distinct:
+        raise InvalidInput(f"with batching every input of a job needs the same first dimension (its rows); got {sizes}")
+    return int(distinct.pop() or 0)
+
+
+def ttl_of(from_job: int | None, default: int) -> int:
+    """The job's own result/failure ttl when it is a positive number of seconds, else ortq's."""
+    return min(from_job, MAX_SECONDS) if from_job is not None and from_job > 0 else default

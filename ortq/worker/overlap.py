@@ -1,0 +1,256 @@
+"""The two threads that keep the session busy: while the main thread runs a batch (ONNX Runtime
+releases the GIL in ``Run``), the **feeder** already takes, reads and checks the next one, and the
+**replier** answers the previous one. Only the main thread calls ``Run``: still one session, one
+``Run`` at a time.
+
+At most one checked batch waits beside the one running (``Threads.slots``): a worker takes no more
+jobs than it is about to run, so that its neighbours on the queue are not starved. Each thread has
+its own Redis connection. A job is held (its records kept fresh by the heartbeat, see
+ortq.worker.presence) from its start until its answer is written; the scripts are fenced, so a job
+taken back from this worker meanwhile is answered once all the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ortq.metrics import WorkerMetrics
+from ortq.rqcompat.book import Book, Finished, StartedJob
+from ortq.settings import REDIS_DOWN, Settings
+from ortq.signature import ModelSignature
+from ortq.worker import jobs
+from ortq.worker.intake import Intake, Taken
+from ortq.worker.presence import Presence
+from ortq.worker.upkeep import Upkeep, despite_outage
+
+log = logging.getLogger("ortq.worker")
+
+#: Unexpected errors in a row (none of Redis being down, none of a job's own) that end a thread, and
+#: with it the worker (exit 1, for its supervisor to start a fresh one).
+MAX_UNEXPECTED = 5
+
+
+@dataclass
+class Outcome:
+    """What a batch came to, for the replier: answers, failures, and every job it held."""
+
+    held: list[StartedJob]
+    finished: list[Finished] = field(default_factory=list)
+    failures: list[jobs.Failure] = field(default_factory=list)
+
+
+#: Ends a queue between the threads.
+END = None
+
+
+class Threads:
+    """What the feeder, the replier and the main thread share."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self.slots = threading.Semaphore(2)  # the batch running and the one waiting
+        self.batches: queue.Queue[list[jobs.Pending] | None] = queue.Queue()
+        self.replies: queue.Queue[Outcome | None] = queue.Queue()
+        #: The error that ended a thread (raised by the main thread), if any.
+        self.fatal: BaseException | None = None
+        #: Set when the GPU is gone: the feeder gives back what it takes instead of queueing it.
+        self.device_lost = threading.Event()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        self.stop.set()
+
+
+def survive(stop: threading.Event, exc: Exception, what: str, in_a_row: int) -> int:
+    """Log an unexpected error and wait a little; raise it once MAX_UNEXPECTED have come in a row
+    (a fault of this worker, not of one record)."""
+    in_a_row += 1
+    if in_a_row >= MAX_UNEXPECTED:
+        raise exc
+    log.error("%s failed (%d in a row); the worker goes on", what, in_a_row, exc_info=exc)
+    stop.wait(min(0.1 * 2**in_a_row, 2.0))
+    return in_a_row
+
+
+def give_back(upkeep: Upkeep, held: Sequence[StartedJob], why: str) -> None:
+    """Requeue jobs this worker started but will not answer (its device is gone)."""
+    me = upkeep.book.worker_name
+    for job in held:
+        despite_outage(
+            "requeueing a job",
+            lambda job=job: upkeep.take_back(job.job_id, job.execution_id, me, why),  # type: ignore[misc]
+        )
+
+
+class Feeder:
+    """The take, read and check stages, on a thread of their own."""
+
+    def __init__(
+        self,
+        threads: Threads,
+        settings: Settings,
+        book: Book,
+        presence: Presence,
+        signature: ModelSignature,
+        max_batch: int,
+        max_wait: float,
+        burst: bool,
+    ) -> None:
+        self.threads = threads
+        self.connection = book.connection
+        self.intake = Intake(self.connection, book, settings, max_batch, max_wait, presence.hold, presence.starting)
+        self.upkeep = Upkeep(book, settings)
+        self.signature = signature
+        self.settings = settings
+        self.presence = presence
+        self.batching = max_batch > 1
+        self.burst = burst
+        self.thread = threading.Thread(target=self._run, name="ortq-feeder", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._feed()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self.threads.fail(exc)
+        finally:
+            self.threads.batches.put(END)
+
+    def _feed(self) -> None:
+        threads, backoff, unexpected = self.threads, 0.5, 0
+        while not threads.stop.is_set():
+            if not threads.slots.acquire(timeout=0.25):
+                continue
+            try:
+                taken = self._take()
+                backoff, unexpected = 0.5, 0
+            except REDIS_DOWN as exc:
+                # Redis restarting or unreachable: wait and reconnect (redis-py reconnects on the
+                # next command), backing off to at most 5 s, and never exit for it.
+                threads.slots.release()
+                log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
+                threads.stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except Exception as exc:
+                # A record nobody foresaw (a refused script, a value the code mishandles): the
+                # entries it came with stay in the intermediate list or started, where the rescue
+                # and the recovery of orphans find them (and fail them WorkerLost if they do it
+                # again). Only errors in a row past a bound end the worker.
+                threads.slots.release()
+                unexpected = survive(threads.stop, exc, "taking jobs", unexpected)
+                continue
+            if taken is None:  # burst, and the queue is empty
+                threads.slots.release()
+                if not self.presence.held_executions():
+                    log.info("burst: the queue is empty")
+                    return
+                threads.stop.wait(0.01)  # what is in hand may still put a retry back on the queue
+                continue
+            if taken:
+                self._check(taken)
+            else:
+                threads.slots.release()
+
+    def _take(self) -> list[Taken] | None:
+        """Stages 1-2: take jobs and read their frames (ortq.worker.intake)."""
+        if self.intake.suspended():
+            self.presence.set_state(self.connection, "suspended")
+            self.threads.stop.wait(1.0)
+            return [] if not self.burst else None
+        held = self.presence.held_executions()
+        self.upkeep.while_idle(held)
+        if not held:
+            self.presence.set_state(self.connection, "idle")  # start.lua writes "busy"
+        return self.intake.take(block=not self.burst)  # what it starts, it holds (Presence.hold)
+
+    def _check(self, taken: list[Taken]) -> None:
+        """Stage 3 for a batch: bad jobs go to the replier at once, good ones to the main thread."""
+        threads = self.threads
+        if threads.device_lost.is_set():  # taken as the GPU went away: back to the queue
+            give_back(self.upkeep, [t.started for t in taken], f"worker {self.upkeep.book.worker_name} lost its device")
+            self.presence.release([t.started for t in taken])
+            threads.slots.release()
+            return
+        pending: list[jobs.Pending] = []
+        failures: list[jobs.Failure] = []
+        for item in taken:
+            checked = jobs.check(item, self.signature, self.settings, self.batching, self.intake.batch_wait)
+            if isinstance(checked, jobs.Pending):
+                pending.append(checked)
+            else:
+                failures.append(checked)
+        if failures:
+            threads.replies.put(Outcome([f.started for f in failures], failures=failures))
+        if pending:
+            threads.batches.put(pending)
+        else:
+            threads.slots.release()
+
+
+class Replier:
+    """The reply and book-keep stages, on a thread of their own."""
+
+    def __init__(
+        self, threads: Threads, book: Book, presence: Presence, metrics: Callable[[], WorkerMetrics | None]
+    ) -> None:
+        self.threads = threads
+        self.book = book
+        self.presence = presence
+        self.metrics = metrics
+        self.thread = threading.Thread(target=self._run, name="ortq-replier", daemon=True)
+
+    def _run(self) -> None:
+        try:  # connected from the start, as the other threads are: the worker's connections are all
+            self.book.connection.ping()  # open once it serves, not at its first answer
+        except REDIS_DOWN as exc:
+            log.warning("the replier's connection is not open yet: %s", exc)
+        while (outcome := self.threads.replies.get()) is not END:
+            try:
+                self._answer(outcome)
+            except REDIS_DOWN as exc:  # past despite_outage's bound: the other workers take them back
+                self.threads.fail(exc)
+            except Exception as exc:
+                # Redis refused a write (a record nobody foresaw): the jobs stay started, and are
+                # taken back as this worker's own orphans once they are no longer held.
+                log.error("answering %d job(s) failed: %s", len(outcome.held), exc, exc_info=exc)
+            finally:
+                self.presence.release(outcome.held)
+
+    def _answer(self, outcome: Outcome) -> None:
+        for failure in outcome.failures:
+            self._fail(failure)
+        finished, book, presence = outcome.finished, self.book, self.presence
+        with presence.starting:  # no start in flight: whether these were the last jobs held is known
+            last = presence.holds_only(outcome.held)
+            if last:
+                if finished:
+                    despite_outage("delivering results", lambda: book.finish(finished, state="idle"))
+                else:
+                    despite_outage("going idle", lambda: presence.set_state(book.connection, "idle", force=True))
+                presence.state = "idle"
+        if finished and not last:  # the worker stays busy: start.lua wrote that
+            despite_outage("delivering results", lambda: book.finish(finished, state=""))
+        metrics = self.metrics()
+        if metrics is not None:
+            for done in finished:
+                metrics.job_succeeded(done.timings)
+
+    def _fail(self, failure: jobs.Failure) -> None:
+        started = failure.started
+
+        def write() -> bool:
+            return self.book.fail(started, failure.error, failure.ttl, failure.reason, failure.retry, state="")
+
+        if not despite_outage("failing a job", write):
+            log.warning("job %s failed here (%s) but was taken back meanwhile", started.job_id, failure.error_type)
+            return
+        retrying = " (will retry)" if failure.retry else ""
+        log.warning("job %s failed%s: %s", started.job_id, retrying, failure.reason[:2000])
+        metrics = self.metrics()
+        if metrics is not None and failure.retry is None:
+            metrics.job_failed(failure.error_type, failure.timings)

@@ -121,8 +121,9 @@ def floor_consumer(url: str, queue_key: str, batch: int, reply_bytes: int) -> No
     connection = redis.Redis.from_url(url, socket_timeout=None)
     reply = os.urandom(reply_bytes)
     while True:
-        popped = connection.blmpop(0, 1, queue_key, direction="LEFT", count=batch)
-        frames = popped[1]  # type: ignore[index]
+        # BLPOP, then LPOP with a count: Redis 6.2 has no BLMPOP (the device's redis-server is 6.2).
+        _, first = connection.blpop([queue_key], 0)  # type: ignore[misc]
+        frames = [first, *(connection.lpop(queue_key, batch - 1) or [])] if batch > 1 else [first]  # type: ignore[misc]
         stops = frames.count(b"stop")
         if stops:  # one for each consumer: the ones popped here that are another's go back
             if stops > 1:

@@ -95,6 +95,20 @@ def direct_speed(model: Path, stem: str, provider: str) -> dict[str, Any]:
     return figures
 
 
+def serving(producer: Producer, name: str, process: subprocess.Popen[bytes], timeout: float = 300) -> dict[str, Any]:
+    """The worker's record once it serves; RuntimeError as soon as its process has exited (a
+    refused provider: its message is in the log above) rather than after the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the worker for {name} exited with status {process.returncode} before serving")
+        found = producer.workers(name)
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise RuntimeError(f"no worker for {name} after {timeout:g} s")
+
+
 def compare_model(
     producer: Producer, models: Path, stem: str, url: str, requests: int, providers: tuple[str, str]
 ) -> dict[str, Any]:
@@ -102,7 +116,7 @@ def compare_model(
     processes = {p: start(path, f"{stem}-{p}", url, p) for p in providers}
     result: dict[str, Any] = {"model": stem, "ok": False}
     try:
-        records = {p: producer.wait_for_workers(f"{stem}-{p}", 1, timeout=300)[0] for p in providers}
+        records = {p: serving(producer, f"{stem}-{p}", processes[p]) for p in providers}
         x = inputs_for(stem, 8, seed=1)
         want = cpu_run(path, x)
         outputs = {p: producer.infer(f"{stem}-{p}", x, timeout=120) for p in providers}

@@ -26,6 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, cast
 
+import msgpack
 import redis
 
 from ortq import keys
@@ -154,11 +155,10 @@ class Book:
         of those others come back with it when at most ``inline`` bytes."""
         moment = utcnow()
         # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the system's
-        # random source for all of them.
-        random = os.urandom(16 * (1 + more)).hex()
-        executions = [random[i : i + 32] for i in range(0, len(random), 32)]
+        # random source for all of them, sent as one argument (start.lua cuts it).
+        executions = os.urandom(16 * (1 + more)).hex()
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
-        self._call("start", [*args, inline, first_id, *executions], client=pipe)
+        self._call("start", [*args, inline, first_id, executions], client=pipe)
         return moment
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
@@ -187,23 +187,25 @@ class Book:
         """Answer every job, then write what RQ writes for each finished job; one round trip.
         Returns how many were still this worker's to answer."""
         ended = utcnow()
-        ended_iso, ended_at = utcformat(ended), ended.timestamp()
-        args: list[Any] = [self.queue.name, self.worker_name, state, len(jobs)]
+        ended_at = ended.timestamp()
+        small = []
         for job in jobs:
             started = job.started
             started_at = started.started_at.timestamp()
-            args += [
-                started.job_id,
-                started.execution_id,
-                job.frame,
-                job.ttl,
-                ended_at - started_at,
-                ended_iso,
-                b64encode(job.return_value),
-                started_at,
-                ended_at,
-            ]
-        return int(self._call("finish", args))
+            # Floats as redis-py would send them (repr), so that the records read as before.
+            small.append(
+                [
+                    started.job_id,
+                    started.execution_id,
+                    job.ttl,
+                    repr(ended_at - started_at),
+                    b64encode(job.return_value),
+                    repr(started_at),
+                ]
+            )
+        head = [self.queue.name, self.worker_name, state, len(jobs), utcformat(ended), repr(ended_at)]
+        packed = msgpack.packb(small, use_bin_type=False)
+        return int(self._call("finish", [*head, packed, *(job.frame for job in jobs)]))
 
     def fail(
         self, started: StartedJob, error: bytes, ttl: int, reason: str, retry: Retry | None, state: str = "idle"

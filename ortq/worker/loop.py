@@ -217,7 +217,12 @@ class Worker:
                 unexpected = survive(self.stop_requested, exc, "running a batch", unexpected)
             finally:
                 self.threads.slots.release()
-                self.threads.replies.put(outcome)
+                if self.threads.batches.empty() and self.threads.replies.empty():
+                    # Nothing to run next: answering here is sooner than waking the replier (on a
+                    # loaded machine a thread's wake-up costs a sequential request ~0.1 ms).
+                    self.replier.deliver(outcome, self.upkeep.book)
+                else:
+                    self.threads.replies.put(outcome)
 
     def _run(self, pending: list[jobs.Pending], outcome: Outcome) -> None:
         """Stages 4-6 for a checked batch: group, run, split (and encode each job's answer)."""

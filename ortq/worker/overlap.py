@@ -210,21 +210,26 @@ class Replier:
         except REDIS_DOWN as exc:
             log.warning("the replier's connection is not open yet: %s", exc)
         while (outcome := self.threads.replies.get()) is not END:
-            try:
-                self._answer(outcome)
-            except REDIS_DOWN as exc:  # past despite_outage's bound: the other workers take them back
-                self.threads.fail(exc)
-            except Exception as exc:
-                # Redis refused a write (a record nobody foresaw): the jobs stay started, and are
-                # taken back as this worker's own orphans once they are no longer held.
-                log.error("answering %d job(s) failed: %s", len(outcome.held), exc, exc_info=exc)
-            finally:
-                self.presence.release(outcome.held)
+            self.deliver(outcome, self.book)
 
-    def _answer(self, outcome: Outcome) -> None:
+    def deliver(self, outcome: Outcome, book: Book) -> None:
+        """Stages 7-8 for a batch, through ``book`` (the replier's own, or the main thread's when it
+        answers itself); the jobs are let go of whatever happens."""
+        try:
+            self._answer(outcome, book)
+        except REDIS_DOWN as exc:  # past despite_outage's bound: the other workers take them back
+            self.threads.fail(exc)
+        except Exception as exc:
+            # Redis refused a write (a record nobody foresaw): the jobs stay started, and are
+            # taken back as this worker's own orphans once they are no longer held.
+            log.error("answering %d job(s) failed: %s", len(outcome.held), exc, exc_info=exc)
+        finally:
+            self.presence.release(outcome.held)
+
+    def _answer(self, outcome: Outcome, book: Book) -> None:
         for failure in outcome.failures:
-            self._fail(failure)
-        finished, book, presence = outcome.finished, self.book, self.presence
+            self._fail(failure, book)
+        finished, presence = outcome.finished, self.presence
         with presence.starting:  # no start in flight: whether these were the last jobs held is known
             last = presence.holds_only(outcome.held)
             if last:
@@ -240,11 +245,11 @@ class Replier:
             for done in finished:
                 metrics.job_succeeded(done.timings)
 
-    def _fail(self, failure: jobs.Failure) -> None:
+    def _fail(self, failure: jobs.Failure, book: Book) -> None:
         started = failure.started
 
         def write() -> bool:
-            return self.book.fail(started, failure.error, failure.ttl, failure.reason, failure.retry, state="")
+            return book.fail(started, failure.error, failure.ttl, failure.reason, failure.retry, state="")
 
         if not despite_outage("failing a job", write):
             log.warning("job %s failed here (%s) but was taken back meanwhile", started.job_id, failure.error_type)

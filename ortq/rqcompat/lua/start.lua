@@ -3,7 +3,7 @@
 -- registry, worker hash, job hash), as RQ's prepare_execution + prepare_job_execution write them.
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
 --       without a timeout (s), 10 how many more, 11 largest frame returned inline (bytes), 12 first
---       id, 13... one fresh execution id per job.
+--       id, 13 the fresh execution ids of every job this call may start, 32 hex digits each, joined.
 -- Returns {started, skipped}: started = {id, execution, {field values}, oversized field or '',
 -- heartbeat ttl, request frame size (-1: no request key, -2: not a string), the frame itself when
 -- it is a batch's other job and no larger than ARGV[11], else false} per job;
@@ -100,13 +100,14 @@ end
 -- The first job was moved to the intermediate list by BLMOVE: off it again (from its tail, where
 -- BLMOVE put it). The others are popped here, in the same atomic call: no list in between.
 if kind(intermediate) == 'list' then redis.call('LREM', intermediate, -1, ARGV[12]) end
-start(ARGV[12], ARGV[13])
+local function execution_id(i) return string.sub(ARGV[13], 32 * i + 1, 32 * i + 32) end
+start(ARGV[12], execution_id(0))
 local more = tonumber(ARGV[10])
 if more > 0 and kind(queue) == 'list' then
   for i = 1, more do
     local id = redis.call('LPOP', queue)
     if not id then break end
-    start(id, ARGV[13 + i])
+    start(id, execution_id(i))
   end
 end
 if #started > 0 and kind(wkey) == 'hash' then

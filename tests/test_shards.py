@@ -402,3 +402,29 @@ def test_a_pool_starts_workers_on_two_redis_instances(
         pool.process.send_signal(signal.SIGTERM)
         assert pool.wait() == 0, pool.text()
     assert PASSWORD not in pool.text()
+
+
+def test_a_worker_serves_its_model_from_the_redis_the_map_gives(
+    redis_server: LocalRedis, big_redis: str, tiny_path: Path
+) -> None:
+    """``ortq worker`` with the producers' environment: ``--redis-url`` is the default Redis, and
+    ``$ORTQ_REDIS_SHARDS`` puts this model on the other one, where the producers send it."""
+    model = f"shard-worker-{os.getpid()}"
+    shards = f"{model}={big_redis}"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "ortq", "worker", "--model", str(tiny_path), "--name", model,
+         "--redis-url", redis_server.url, "--threads", "1"],
+        cwd=REPO, env={**os.environ, "ORTQ_REDIS_SHARDS": shards}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with Producer(settings=Settings.from_url(redis_server.url, redis_shards=shards)) as producer:
+            producer.wait_for_workers(model, 1, timeout=60)
+            x = small_inputs(1)[0]
+            assert_close(producer.infer(model, x, timeout=30)["y"], direct(tiny_path, x)["y"])
+        big, main = redis.Redis.from_url(big_redis), redis.Redis.from_url(redis_server.url)
+        assert big.exists(keys.signature_key(model)) and not main.exists(keys.signature_key(model))
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, log = worker.communicate(timeout=30)
+    assert worker.returncode == 0, log
+    assert f"model {model!r} is on redis://127.0.0.1:" in log and PASSWORD not in log

@@ -16,7 +16,7 @@ import redis
 from ortq import keys
 from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
 from ortq.metrics import WorkerMetrics, open_metrics_port
-from ortq.settings import Settings
+from ortq.settings import Settings, redacted_url
 from ortq.worker import plugin_ep
 from ortq.worker.adapters import (
     PREFERENCES,
@@ -204,7 +204,10 @@ def _resolve_plugin(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPla
 
 
 def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
-    """Create the session, warm it up, check it against the CPU, and return a worker ready to ``work()``."""
+    """Create the session, warm it up, check it against the CPU, and return a worker ready to ``work()``.
+    Under a shard map (``ORTQ_REDIS_SHARDS``) the worker serves from its model's Redis, as the
+    producers that read the same map send there; ``redis_url`` is the Redis of models it does not list."""
+    settings = model_redis(settings, config.model_name)
     # CUDA's default order is fastest-first; NVML's (and so `ortq adapters`') is PCI bus order.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     plan, adapter = resolve_plan(config)
@@ -250,6 +253,17 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         burst=config.burst,
         device_lost_pattern=config.device_lost_pattern,
     )
+
+
+def model_redis(settings: Settings, model: str) -> Settings:
+    """``settings`` for ``model``'s Redis under the shard map, if there is one."""
+    shards = settings.shards
+    if shards is None:
+        return settings
+    url = shards.url_for(model)
+    if url != settings.redis_url:
+        log.info("model %r is on %s by the shard map ($ORTQ_REDIS_SHARDS)", model, redacted_url(url))
+    return settings.for_redis(url)
 
 
 def serve(config: WorkerConfig, settings: Settings) -> int:

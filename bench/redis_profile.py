@@ -1,0 +1,53 @@
+"""Where Redis's time goes per job: a worker (in this process, burst) drains a queue of digits jobs
+filled beforehand, then Redis's ``INFO commandstats`` is divided by the job count.
+
+    python -m bench.redis_profile [--jobs 6000] [--max-batch 32]
+
+``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
+(their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
+interpreter, argument and reply conversion).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from ortq.localredis import LocalRedis
+from ortq.producer import Producer
+from ortq.settings import Settings
+from ortq.worker.serve import WorkerConfig, build_worker
+
+DIGITS = Path(__file__).resolve().parent.parent / "ortq" / "demo" / "digits.onnx"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=6000)
+    parser.add_argument("--max-batch", type=int, default=32)
+    args = parser.parse_args()
+    with LocalRedis() as server:
+        settings = Settings.from_url(server.url)
+        with Producer(settings=settings, allow_unknown_models=True) as producer:
+            rng = np.random.default_rng(0)
+            inputs = [{"pixels": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(8)]
+            producer.submit_many("digits", [inputs[i % 8] for i in range(args.jobs)])
+        connection = settings.connect()
+        connection.config_resetstat()
+        config = WorkerConfig(DIGITS, "digits", threads=1, max_batch=args.max_batch, rows_independent=True, burst=True)
+        build_worker(config, settings).serve(handle_signals=False)
+        stats = connection.info("commandstats")
+    rows = sorted(((v["usec"] / args.jobs, v["calls"] / args.jobs, k[8:]) for k, v in stats.items()), reverse=True)
+    scripts = sum(usec for usec, _, name in rows if name in ("evalsha", "eval", "fcall"))
+    inside = sum(usec for usec, _, name in rows if name not in ("evalsha", "eval", "fcall", "blmove", "lmove"))
+    print(f"{args.jobs} digits jobs, --max-batch {args.max_batch}: the scripts {scripts:.1f} us/job,")
+    print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f}")
+    for usec, calls, name in rows:
+        if usec >= 0.05:
+            print(f"  {name:24} {usec:7.2f} us/job {calls:6.2f} calls/job")
+
+
+if __name__ == "__main__":
+    main()

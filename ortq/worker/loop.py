@@ -182,7 +182,7 @@ class Worker:
                 leftovers += [p.started for p in pending]
             feeder.thread.join()
             if threads.device_lost.is_set():
-                self._give_back(leftovers)
+                give_back(self.upkeep, leftovers)
             threads.replies.put(END)
             replier.thread.join()
         if threads.fatal is not None:
@@ -261,8 +261,3 @@ class Worker:
 
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
         return jobs.failure(member.started, member.job, exc, member.timings, member.nonce, self.settings)
-
-    def _give_back(self, held: list[StartedJob]) -> None:
-        """The GPU is gone: requeue jobs that have no answer; the session cannot run again, so a
-        fresh process must take over (EXIT_DEVICE_LOST)."""
-        give_back(self.upkeep, held, f"worker {self.name} lost its device")

@@ -77,9 +77,11 @@ def survive(stop: threading.Event, exc: Exception, what: str, in_a_row: int) -> 
     return in_a_row
 
 
-def give_back(upkeep: Upkeep, held: Sequence[StartedJob], why: str) -> None:
-    """Requeue jobs this worker started but will not answer (its device is gone)."""
+def give_back(upkeep: Upkeep, held: Sequence[StartedJob]) -> None:
+    """Requeue jobs this worker started but will not answer: its device is gone, so a fresh
+    process must take over (EXIT_DEVICE_LOST)."""
     me = upkeep.book.worker_name
+    why = f"worker {me} lost its device"
     for job in held:
         despite_outage(
             "requeueing a job",
@@ -163,7 +165,7 @@ class Feeder:
             self.threads.stop.wait(1.0)
             return [] if not self.burst else None
         held = self.presence.held_executions()
-        self.upkeep.while_idle(held)
+        self.upkeep.between_takes(held)
         if not held:
             self.presence.set_state(self.connection, "idle")  # start.lua writes "busy"
         return self.intake.take(block=not self.burst)  # what it starts, it holds (Presence.hold)
@@ -172,7 +174,7 @@ class Feeder:
         """Stage 3 for a batch: bad jobs go to the replier at once, good ones to the main thread."""
         threads = self.threads
         if threads.device_lost.is_set():  # taken as the GPU went away: back to the queue
-            give_back(self.upkeep, [t.started for t in taken], f"worker {self.upkeep.book.worker_name} lost its device")
+            give_back(self.upkeep, [t.started for t in taken])
             self.presence.release([t.started for t in taken])
             threads.slots.release()
             return

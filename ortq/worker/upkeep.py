@@ -63,7 +63,7 @@ class Upkeep:
         if self._every("functions", 30.0):
             ensure_functions(self.book.connection)
 
-    def while_idle(self, held: frozenset[str]) -> None:
+    def between_takes(self, held: frozenset[str]) -> None:
         """Called between takes: a started job of this worker's own that it does not hold (``held``:
         execution ids) is one whose start reply was lost (a Redis restart, a dropped connection), or
         one it let go after a failed answer."""

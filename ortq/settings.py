@@ -110,6 +110,19 @@ def check_tls_options(redis_url: str) -> None:
             raise ConfigurationError(f"redis_url option {name}={values[-1]}: no such file")
 
 
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _from_text(kind: type, raw: str) -> Any:
+    """An environment variable's text as a field of type ``kind`` (``bool("0")`` would be True)."""
+    if kind is bool:
+        try:
+            return _BOOLEANS[raw.strip().lower()]
+        except KeyError:
+            raise ValueError(f"expected one of {', '.join(_BOOLEANS)}") from None
+    return kind(raw)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where Redis is and how long ortq keeps what it writes there."""
@@ -130,6 +143,11 @@ class Settings:
     heartbeat_seconds: float = 5.0
     #: Backpressure: ``submit`` raises QueueFull once a model's queue holds this many jobs (0: no limit).
     max_queue_length: int = 0
+    #: Workers write RQ's result record (``rq:results:<id>``: what RQ's ``job.return_value()``, the
+    #: dashboards' result column read) for each successful job. ortq's producers read the reply
+    #: instead, so turning it off (``ORTQ_RQ_RESULTS=0``) loses nothing they see and saves about a
+    #: third of Redis's time per small job (docs/performance.md); failures are always recorded.
+    rq_results: bool = True
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each
     #: takes its model's URL as its ``redis_url``). Empty: every model on ``redis_url``. Left out of
@@ -172,7 +190,7 @@ class Settings:
             if raw is None:
                 continue
             try:
-                values[field.name] = type(getattr(cls(), field.name))(raw)
+                values[field.name] = _from_text(type(getattr(cls(), field.name)), raw)
             except ValueError as exc:
                 raise ConfigurationError(f"ORTQ_{field.name.upper()}={raw!r}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import redis
 from rq.command import send_shutdown_command
 
 from ortq import keys, wire
-from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, InferenceFailed
+from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, InferenceFailed
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
@@ -208,6 +209,82 @@ def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book
     assert book.finish([Finished(started, frame, 60, b"\x80")]) == 0
     assert not connection.exists(keys.reply_key(job_id))
     assert connection.hget(keys.job_key(job_id), "status") == b"queued"
+
+
+def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    # Lua's unpack takes ~8,000 values: a registry write of 4,500 (score, member) pairs in one call
+    # fails, so the scripts write in chunks. Every job must be started, answered and recorded.
+    ids = [uuid.uuid4().hex for _ in range(4500)]
+    frame = wire.encode_request(X)
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hset(keys.job_key(job_id), mapping=job_fields(model_name))  # type: ignore[arg-type]
+            pipe.set(keys.request_key(job_id), frame)
+        pipe.rpush(keys.queue_key(model_name), *ids)
+        pipe.execute()
+    started, skipped = start(connection, book, more=len(ids) - 1)
+    assert [s.job_id for s in started] == ids and skipped == []
+    assert connection.zcard(book.queue.started) == len(ids)
+    response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
+    assert book.finish([Finished(job, response, 60, b"\x80") for job in started]) == len(ids)
+    assert connection.zcard(book.queue.started) == 0
+    assert connection.zcard(book.queue.finished) == len(ids)
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.xrange(keys.reply_key(job_id))
+            pipe.exists(keys.request_key(job_id))
+        replies = pipe.execute()
+    assert all(entries[0][1][b"frame"] == response for entries in replies[::2])
+    assert not any(replies[1::2])
+
+
+def test_without_rq_results_a_job_is_answered_and_finished_with_no_result_record(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    recorded, unrecorded = str(uuid.uuid4()), str(uuid.uuid4())
+    for job_id in (recorded, unrecorded):
+        push(connection, model_name, job_id)
+    first, second = start(connection, book, more=1)[0]
+    response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
+    assert book.finish([Finished(first, response, 60, b"\x80"), Finished(second, response, 60, None)]) == 2
+    for job_id in (recorded, unrecorded):
+        assert connection.xrange(keys.reply_key(job_id))[0][1][b"frame"] == response
+        assert connection.hget(keys.job_key(job_id), "status") == b"finished"
+        assert connection.zscore(book.queue.finished, job_id) is not None
+    assert connection.exists(layout.results_key(recorded))
+    assert not connection.exists(layout.results_key(unrecorded))
+
+
+def test_rq_results_is_read_from_the_environment_as_a_boolean() -> None:
+    assert Settings.from_env({}).rq_results is True
+    assert Settings.from_env({"ORTQ_RQ_RESULTS": "0"}).rq_results is False
+    assert Settings.from_env({"ORTQ_RQ_RESULTS": "off"}).rq_results is False
+    assert Settings.from_env({"ORTQ_RQ_RESULTS": "True"}).rq_results is True
+    with pytest.raises(ConfigurationError, match="ORTQ_RQ_RESULTS='maybe'"):
+        Settings.from_env({"ORTQ_RQ_RESULTS": "maybe"})
+
+
+def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis
+) -> None:
+    lean = replace(settings, rq_results=False)
+    running = Serving(make_worker(tiny_path, model_name, lean, max_batch=8, rows_independent=True))
+    try:
+        with Producer(settings=lean) as producer:
+            producer.wait_for_workers(model_name, 1, timeout=30)
+            inputs = [{"x": np.random.default_rng(i).random((2, 4), np.float32)} for i in range(20)]
+            handles = producer.submit_many(model_name, inputs)
+            outputs = producer.results(handles, timeout=30)
+    finally:
+        running.stop()
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    for given, got in zip(inputs, outputs, strict=True):
+        [expected] = session.run(None, given)
+        np.testing.assert_allclose(got["y"], expected, rtol=1e-6)
+    assert not any(connection.exists(layout.results_key(h.id)) for h in handles)
+    assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 
 def test_the_rescue_is_bounded_per_call(connection: redis.Redis, book: Book) -> None:

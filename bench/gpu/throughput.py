@@ -13,6 +13,8 @@ DIR holds digits.onnx and conv.onnx (tests/onnx_models.py). Three workloads: ``d
 3. **ortq**: 1, 2, 4 real ``ortq worker`` processes with ``--max-batch``: the queue is filled while
    the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
    job (utime+stime from /proc) and Redis's (INFO cpu), so a miss says which side the time went to.
+   ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
+   (``ORTQ_RQ_RESULTS``), side by side.
 
 Ratios printed: ortq rows/s over direct, ortq jobs/s over the floor. Producers are not measured:
 the queue is full before the clock starts. Exit status 0 when every drain answered every job with
@@ -173,8 +175,11 @@ def floor(url: str, work: Workload, consumers: int, frame: bytes, reply_bytes: i
 # ------------------------------------------------------------------ ortq
 
 
-def start_workers(url: str, model: Path, work: Workload, provider: str, count: int) -> list[subprocess.Popen[bytes]]:
+def start_workers(
+    url: str, model: Path, work: Workload, provider: str, count: int, rq_results: bool
+) -> list[subprocess.Popen[bytes]]:
     adapter = ["--adapter", "0"] if provider != "cpu" else []
+    env = {**os.environ, "ORTQ_RQ_RESULTS": "1" if rq_results else "0"}
     return [
         subprocess.Popen(
             [
@@ -200,17 +205,18 @@ def start_workers(url: str, model: Path, work: Workload, provider: str, count: i
                 "1",
                 "--worker-name",
                 f"{work.name}-{count}-{i}",
-            ]
+            ],
+            env=env,
         )
         for i in range(count)
     ]
 
 
-def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int) -> dict[str, Any]:
+def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int, rq_results: bool) -> dict[str, Any]:
     settings = Settings.from_url(url)
     connection = settings.connect()
     connection.set(layout.suspended_key(), 1)
-    workers = start_workers(url, model, work, provider, count)
+    workers = start_workers(url, model, work, provider, count, rq_results)
     try:
         with Producer(settings=settings) as producer:
             producer.wait_for_workers(work.name, count, timeout=120)
@@ -241,6 +247,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int)
         connection.delete(layout.suspended_key())
     return {
         "workers": count,
+        "rq_results": rq_results,
         "jobs_per_s": work.jobs / seconds,
         "rows_per_s": work.jobs * work.rows_per_job / seconds,
         "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
@@ -250,7 +257,9 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int)
     }
 
 
-def measure(url: str, models: Path, work: Workload, provider: str, counts: list[int]) -> dict[str, Any]:
+def measure(
+    url: str, models: Path, work: Workload, provider: str, counts: list[int], rq_results: list[bool]
+) -> dict[str, Any]:
     model = models / f"{work.model}.onnx"
     one = job_inputs(work, 0)
     frame = wire.encode_request(one)
@@ -266,24 +275,27 @@ def measure(url: str, models: Path, work: Workload, provider: str, counts: list[
     row["direct_rows_per_s"] = direct(work, model, provider)
     row["runs"] = []
     for count in counts:
-        run = ortq_drain(url, model, work, provider, count)
-        run["floor"] = floor(url, work, count, frame, reply_bytes)
-        run["vs_floor"] = run["jobs_per_s"] / run["floor"]["jobs_per_s"]
-        run["vs_direct_rows"] = run["rows_per_s"] / row["direct_rows_per_s"]
-        row["runs"].append(run)
-        print(json.dumps({"workload": work.name, **run}), flush=True)
+        runs = [ortq_drain(url, model, work, provider, count, recorded) for recorded in rq_results]
+        same_floor = floor(url, work, count, frame, reply_bytes)
+        for run in runs:
+            run["floor"] = same_floor
+            run["vs_floor"] = run["jobs_per_s"] / same_floor["jobs_per_s"]
+            run["vs_direct_rows"] = run["rows_per_s"] / row["direct_rows_per_s"]
+            row["runs"].append(run)
+            print(json.dumps({"workload": work.name, **run}), flush=True)
     return row
 
 
 def report(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'workload':10} {'w':>2} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13} {'x direct':>8} "
+        f"{'workload':10} {'w':>2} {'rq':>3} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13} {'x direct':>8} "
         f"{'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}"
     )
     for row in rows:
         for run in row["runs"]:
             print(
-                f"{row['workload']:10} {run['workers']:>2} {run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
+                f"{row['workload']:10} {run['workers']:>2} {'on' if run['rq_results'] else 'off':>3} "
+                f"{run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
                 f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
                 f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f}"
             )
@@ -301,16 +313,22 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's job count")
     parser.add_argument("--io-threads", type=int, default=1, help="redis-server's io-threads")
+    parser.add_argument(
+        "--rq-results",
+        default="on",
+        help="on, off or on,off: the workers write RQ's result record per job (ORTQ_RQ_RESULTS); both: side by side",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     counts = [int(c) for c in args.workers.split(",")]
     chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    rq_results = [{"on": True, "off": False}[v] for v in args.rq_results.split(",")]
     extra = ("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ()
     rows = []
     with LocalRedis(extra_args=extra) as server:
         for work in chosen:
             scaled = Workload(**{**work.__dict__, "jobs": max(64, int(work.jobs * args.scale))})
-            rows.append(measure(server.url, args.models, scaled, args.provider, counts))
+            rows.append(measure(server.url, args.models, scaled, args.provider, counts, rq_results))
     report(rows)
     ok = all(run["outputs_close"] for row in rows for run in row["runs"])
     if args.out:

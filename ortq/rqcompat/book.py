@@ -117,7 +117,7 @@ class Finished:
     started: StartedJob
     frame: bytes
     ttl: int
-    return_value: bytes  # RQ's result, already msgpack
+    return_value: bytes | None  # RQ's result, already msgpack; None: no result record (Settings.rq_results)
     timings: dict[str, float] = field(default_factory=dict)  # for the worker's metrics
 
 
@@ -199,7 +199,7 @@ class Book:
                     started.execution_id,
                     job.ttl,
                     repr(ended_at - started_at),
-                    b64encode(job.return_value),
+                    b"" if job.return_value is None else b64encode(job.return_value),
                     repr(started_at),
                 ]
             )

@@ -114,12 +114,16 @@ def failure(
     return Failure(started, error_type, error, ttl_of(job.failure_ttl, settings.failure_ttl), reason, retry, timings)
 
 
-def finished(member: Pending, outputs: dict[str, np.ndarray], run: float, batch_size: int, ttl: int) -> Finished:
-    """Stage 6 for one job of a run: its response frame and RQ's result summary."""
+def finished(
+    member: Pending, outputs: dict[str, np.ndarray], run: float, batch_size: int, ttl: int, rq_result: bool = True
+) -> Finished:
+    """Stage 6 for one job of a run: its response frame and (``rq_result``) RQ's result summary."""
     timings = {**member.timings, "run": run}
     t0 = time.perf_counter()
     frame = wire.encode_response(outputs, timings, member.nonce)
     timings["encode"] = time.perf_counter() - t0
+    if not rq_result:
+        return Finished(member.started, frame, ttl, None, timings)
     summary = {
         "reply_key": keys.reply_key(member.job.job_id),
         "outputs": {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()},

@@ -254,10 +254,10 @@ class Worker:
         run = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.batch_ran(len(members))
-        result_ttl, size = self.settings.result_ttl, len(members)
+        result_ttl, size, rq_result = self.settings.result_ttl, len(members), self.settings.rq_results
         for member, outputs_of_job in zip(members, per_job, strict=True):
             ttl = jobs.ttl_of(member.job.result_ttl, result_ttl)
-            outcome.finished.append(jobs.finished(member, outputs_of_job, run, size, ttl))
+            outcome.finished.append(jobs.finished(member, outputs_of_job, run, size, ttl, rq_result))
 
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
         return jobs.failure(member.started, member.job, exc, member.timings, member.nonce, self.settings)

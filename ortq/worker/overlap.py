@@ -232,14 +232,21 @@ class Replier:
         for failure in outcome.failures:
             self._fail(failure, book)
         finished, presence = outcome.finished, self.presence
-        with presence.starting:  # no start in flight: whether these were the last jobs held is known
-            last = presence.holds_only(outcome.held)
-            if last:
-                if finished:
-                    despite_outage("delivering results", lambda: book.finish(finished, state="idle"))
-                else:
-                    despite_outage("going idle", lambda: presence.set_state(book.connection, "idle", force=True))
-                presence.state = "idle"
+        # Whether these are the last jobs held is known only with no start in flight (an "idle"
+        # must not land after its "busy"). A start in flight is not waited for: its jobs keep the
+        # worker busy (and if it took none, the feeder writes "idle" before its next take).
+        last = False
+        if presence.starting.acquire(blocking=False):
+            try:
+                last = presence.holds_only(outcome.held)
+                if last:
+                    if finished:
+                        despite_outage("delivering results", lambda: book.finish(finished, state="idle"))
+                    else:
+                        despite_outage("going idle", lambda: presence.set_state(book.connection, "idle", force=True))
+                    presence.state = "idle"
+            finally:
+                presence.starting.release()
         if finished and not last:  # the worker stays busy: start.lua wrote that
             despite_outage("delivering results", lambda: book.finish(finished, state=""))
         metrics = self.metrics()

@@ -44,8 +44,9 @@ class Presence:
         self._held: dict[str, StartedJob] = {}
         self._lock = threading.Lock()
         #: Held by the feeder from sending a start script until its jobs are held, and by the
-        #: replier from finding that an answer leaves the worker idle until it has written "idle":
-        #: so "idle" never lands after a start's "busy" (start.lua writes that one).
+        #: replier (when free: it never waits for a start) from finding that an answer leaves the
+        #: worker idle until it has written "idle": so "idle" never lands after a start's "busy"
+        #: (start.lua writes that one).
         self.starting = threading.Lock()
 
     # ------------------------------------------------------------------ the worker threads' side

@@ -48,13 +48,37 @@ local function wip_key(queue) return PREFIX .. ':wip:' .. queue end
 local function queue_key(queue) return PREFIX .. ':queue:' .. queue end
 local function worker_key(worker) return PREFIX .. ':worker:' .. worker end
 
--- Answer a job: its one response frame, as the only entry of its reply stream (producers read it
--- with XREAD, which writes nothing). Whatever was there is replaced: a job is answered once.
-local function answer(id, frame, ttl)
+-- The command `head` (its name and any key: {'ZADD', key}) with `items` after it, in calls of at
+-- most CHUNK items: Lua's unpack takes a few thousand values at most, and a batch may be larger.
+-- `call` is redis.call, write or remove; CHUNK is even, so (score, member) pairs stay whole.
+-- Returns the replies joined when they are arrays (ZMSCORE), else the last one.
+local CHUNK = 1000
+local function each_chunk(call, head, items)
+  local joined, last = {}, nil
+  for i = 1, #items, CHUNK do
+    local args = {unpack(head)}
+    for j = i, math.min(i + CHUNK - 1, #items) do args[#args + 1] = items[j] end
+    last = call(unpack(args))
+    if type(last) == 'table' and not last.err then
+      for _, v in ipairs(last) do joined[#joined + 1] = v end
+    end
+  end
+  if type(last) == 'table' and not last.err then return joined end
+  return last
+end
+
+-- A job's reply stream: its one response frame as the only entry (producers read it with XREAD,
+-- which writes nothing). The key must be empty first: see answer.
+local function post(id, frame, ttl)
   local reply = ORTQ .. 'reply:' .. id
-  redis.call('DEL', reply)
   redis.call('XADD', reply, '*', 'frame', frame)
   redis.call('EXPIRE', reply, ttl)
+end
+
+-- Answer a job: whatever was in its reply key is replaced, so a job is answered once.
+local function answer(id, frame, ttl)
+  redis.call('DEL', ORTQ .. 'reply:' .. id)
+  post(id, frame, ttl)
 end
 
 -- A write to a key that anyone may have filled with another type: tried as it is, and only when

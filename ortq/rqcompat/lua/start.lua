@@ -26,10 +26,11 @@ local MAX_FIELD = 65536
 local ELSEWHERE = {started = true, finished = true, failed = true, stopped = true, canceled = true,
                    scheduled = true, deferred = true, rate_limited = true, ready_to_enqueue = true}
 local started, skipped = {}, {}
--- The registries every job of this call is added to: checked once here, not per job.
+-- The registries every job of this call is added to: checked once here, and written once for all
+-- of them at the end (one call each, not one a job).
 own(wip, 'zset')
 if RQ3 then own(index, 'set') end
-local longest = 0
+local longest, last_ttl, wip_entries, index_members = 0, 0, {}, {}
 
 local function skip(id, why)
   table.insert(skipped, {string.sub(id, 1, 200), why})
@@ -79,12 +80,10 @@ local function start(id, execution)
   local executions = PREFIX .. ':executions:' .. id
   write('ZADD', executions, math.floor(now) + ttl + 60, execution)
   redis.call('EXPIRE', executions, ttl + 60)
-  redis.call('ZADD', wip, math.floor(now) + ttl, composite)
-  if RQ3 then
-    redis.call('SADD', index, composite)
-    -- Execution.create gives it ttl + 60, then the worker heartbeat of prepare_job_execution ttl
-    redis.call('EXPIRE', index, ttl)
-  end
+  table.insert(wip_entries, math.floor(now) + ttl)
+  table.insert(wip_entries, composite)
+  table.insert(index_members, composite)
+  last_ttl = ttl
   redis.call('HSET', job, 'last_heartbeat', now_iso, 'status', 'started', 'started_at', now_iso, 'worker_name', worker)
   redis.call('PERSIST', job)
   local request = ORTQ .. 'req:' .. id
@@ -104,10 +103,15 @@ local function execution_id(i) return string.sub(ARGV[13], 32 * i + 1, 32 * i + 
 start(ARGV[12], execution_id(0))
 local more = tonumber(ARGV[10])
 if more > 0 and kind(queue) == 'list' then
-  for i = 1, more do
-    local id = redis.call('LPOP', queue)
-    if not id then break end
-    start(id, execution_id(i))
+  for i, id in ipairs(redis.call('LPOP', queue, more) or {}) do start(id, execution_id(i)) end
+end
+if #wip_entries > 0 then
+  each_chunk(redis.call, {'ZADD', wip}, wip_entries)
+  if RQ3 then
+    each_chunk(redis.call, {'SADD', index}, index_members)
+    -- Execution.create gives it ttl + 60, then the worker heartbeat of prepare_job_execution ttl:
+    -- the last job's, as when each job's start set it.
+    redis.call('EXPIRE', index, last_ttl)
   end
 end
 if #started > 0 and kind(wkey) == 'hash' then

@@ -49,10 +49,12 @@ def _reason(func_name: object, instance: object, callbacks: Mapping[str, object]
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class JobRecord:
     """What the worker needs of an RQ job hash, read without building an RQ ``Job`` (whose
-    constructor and ``restore`` cost more than running a small model, and which trust the hash)."""
+    constructor and ``restore`` cost more than running a small model, and which trust the hash).
+    Not frozen: the worker builds one a job, and a frozen dataclass's ``__init__`` costs five times
+    as much."""
 
     job_id: str
     enqueued_at: datetime | None
@@ -68,17 +70,17 @@ class JobRecord:
 
     @classmethod
     def parse(cls, job_id: str, job_hash: Mapping[bytes, bytes]) -> JobRecord:
-        return cls(
-            job_id=job_id,
-            enqueued_at=parse_rq_time(job_hash.get(b"enqueued_at")),
-            result_ttl=_int(job_hash.get(b"result_ttl")),
-            failure_ttl=_int(job_hash.get(b"failure_ttl")),
-            timeout=_int(job_hash.get(b"timeout")),
-            ttl=_int(job_hash.get(b"ttl")),
-            retries_left=max(0, min(_int(job_hash.get(b"retries_left")) or 0, MAX_RETRIES)),
-            retry_intervals=_intervals(job_hash.get(b"retry_intervals")),
-            forbidden=_forbidden(job_hash),
-        )
+        # Every job of a producer carries the same bytes in all but enqueued_at: what they say is
+        # worked out once for them (the same way each time: a pure function of the exact bytes).
+        key = tuple(map(job_hash.get, _SETTLED_KEYS))
+        try:
+            settled = _SETTLED[key]
+        except KeyError:
+            settled = _settled(job_hash)
+            if len(_SETTLED) >= 64:  # forged jobs vary it at will: the cache stays small
+                _SETTLED.clear()
+            _SETTLED[key] = settled
+        return cls(job_id, parse_rq_time(job_hash.get(b"enqueued_at")), *settled)
 
     def retry_interval(self) -> int:
         """Seconds before the next attempt, as RQ's ``Job.get_retry_interval`` picks it."""
@@ -104,21 +106,34 @@ def _intervals(raw: bytes | None) -> tuple[int, ...]:
     return tuple(max(0, min(int(v), MAX_SECONDS)) for v in values[:MAX_RETRIES] if math.isfinite(v))
 
 
-def _forbidden(job_hash: Mapping[bytes, bytes]) -> str | None:
-    # Every job of a model carries the same few bytes here: the verdict is computed once for them.
-    key = (job_hash.get(b"data"), *(job_hash.get(name) for name in _CALLBACK_KEYS))
-    try:
-        return _VERDICTS[key]
-    except KeyError:
-        verdict = _verdict(job_hash)
-    if len(_VERDICTS) >= 64:  # forged jobs vary it at will: the cache stays small
-        _VERDICTS.clear()
-    _VERDICTS[key] = verdict
-    return verdict
+_Settled = tuple[int | None, int | None, int | None, int | None, int, tuple[int, ...], str | None]
 
 
-_CALLBACK_KEYS = tuple(name.encode() for name in _CALLBACK_FIELDS)
-_VERDICTS: dict[tuple[bytes | None, ...], str | None] = {}
+def _settled(job_hash: Mapping[bytes, bytes]) -> _Settled:
+    """JobRecord's fields after ``enqueued_at``, in its order, from the fields in _SETTLED_KEYS."""
+    return (
+        _int(job_hash.get(b"result_ttl")),
+        _int(job_hash.get(b"failure_ttl")),
+        _int(job_hash.get(b"timeout")),
+        _int(job_hash.get(b"ttl")),
+        max(0, min(_int(job_hash.get(b"retries_left")) or 0, MAX_RETRIES)),
+        _intervals(job_hash.get(b"retry_intervals")),
+        _verdict(job_hash),
+    )
+
+
+#: Every field _settled reads.
+_SETTLED_KEYS = (
+    b"result_ttl",
+    b"failure_ttl",
+    b"timeout",
+    b"ttl",
+    b"retries_left",
+    b"retry_intervals",
+    b"data",
+    *(name.encode() for name in _CALLBACK_FIELDS),
+)
+_SETTLED: dict[tuple[bytes | None, ...], _Settled] = {}
 
 
 def _verdict(job_hash: Mapping[bytes, bytes]) -> str | None:

@@ -135,12 +135,70 @@ def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | No
 
 
 def encode_response(
-    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, nonce: bytes | None = None
+    outputs: Mapping[str, NDArray[Any]],
+    timings: Mapping[str, float] | None = None,
+    nonce: bytes | None = None,
+    layout: Layout | None = None,
 ) -> bytes:
     """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
-    request's ``nonce``."""
-    body = {"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}
-    return _encode(_with_nonce(body, nonce), "outputs")
+    request's ``nonce``; ``layout``, when given, is ``layout_of(outputs)``."""
+    layout = layout or layout_of(outputs)
+    if layout is None:
+        body = {"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}
+        return _encode(_with_nonce(body, nonce), "outputs")
+    # The same bytes as _encode's: the header's map ends with the timings and the nonce.
+    header = (layout.head if nonce is None else layout.head_with_nonce) + msgpack.packb(_timings(timings))
+    if nonce is not None:
+        header += _NONCE_KEY + msgpack.packb(nonce)
+    if len(header) > MAX_HEADER_BYTES:
+        raise PayloadTooLarge(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
+    parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]
+    parts.append(_ZEROS[: -(_PREFIX.size + len(header)) % _ALIGN])
+    for pad, value in zip(layout.pads, outputs.values(), strict=True):
+        parts += (pad, value.data)
+    return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a response says of outputs of given names, dtypes and shapes, worked out once for the
+    jobs of a batch, whose outputs look alike: the header up to its timings (its map one entry
+    longer in ``head_with_nonce``), the padding before each tensor and, for RQ's result, each
+    output's ``[dtype, shape]``."""
+
+    head: bytes
+    head_with_nonce: bytes
+    pads: tuple[bytes, ...]
+    shapes: dict[str, list[Any]]
+
+
+_NONCE_KEY = msgpack.packb("nonce")
+_LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...]], ...], Layout] = {}
+
+
+def layout_of(outputs: Mapping[str, object]) -> Layout | None:
+    """The Layout of ``outputs``; None unless they are C-contiguous arrays a frame carries as
+    they are (encode_response converts any others)."""
+    key = []
+    for name, value in outputs.items():
+        if type(value) is not np.ndarray or not value.flags.c_contiguous:
+            return None
+        key.append((name, value.dtype.str, value.shape))
+    found = _LAYOUTS.get(tuple(key))
+    if found is not None or any(as_wire_array(name, v) is not v for name, v in outputs.items()):
+        return found
+    descriptors, _ = _write_tensors(outputs)
+    pads, end = [], 0
+    for desc in descriptors.values():
+        pads.append(_ZEROS[: desc["offset"] - end])
+        end = desc["offset"] + desc["nbytes"]
+    body = {"v": WIRE_VERSION, "kind": "response", "ok": True, "outputs": descriptors, "timings": None}
+    head = msgpack.packb(body, use_bin_type=True)[:-1]  # less the timings' value (a nil)
+    shapes = {name: [desc["dtype"], desc["shape"]] for name, desc in descriptors.items()}
+    if len(_LAYOUTS) >= 64:  # a model with many output shapes: the cache stays small
+        _LAYOUTS.clear()
+    layout = _LAYOUTS[tuple(key)] = Layout(head, bytes([head[0] + 1]) + head[1:], tuple(pads), shapes)
+    return layout
 
 
 def encode_error(
@@ -163,12 +221,76 @@ def _with_nonce(body: dict[str, Any], nonce: bytes | None) -> dict[str, Any]:
 
 def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Request:
     """The request in ``frame``; raises WireFormatError (PayloadTooLarge over ``max_bytes``)."""
+    known = _known_request(frame, max_bytes)
+    if known is not None:
+        return known
     header, data = _parse(frame, max_bytes, "request")
     options = header.get("options", {})
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise WireFormatError("header 'options' must be a map with string keys")
     _check_nonce(options.get("nonce"), "options 'nonce'")
-    return Request(inputs=_read_tensors(header, "inputs", data), options=options)
+    request = Request(inputs=_read_tensors(header, "inputs", data), options=options)
+    _learn(frame, header, data)
+    return request
+
+
+#: A producer's requests differ only in their nonce, the header's last 16 bytes (ortq's producers
+#: write ``options`` last, holding nothing but the nonce). A header that passed every check is
+#: remembered by its bytes up to those 16, with what it declares; a frame whose bytes are the same
+#: up there decodes the same (msgpack is read front to back, and a bin's payload is never looked
+#: into), so it is only checked for what is its own: its length. Keys are exact bytes: a forged
+#: header that differs anywhere else is not found and gets the full checks.
+_NONCE_TAIL = 16
+_KNOWN_MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
+_KNOWN: dict[bytes, _Known] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    data_start: int
+    data_end: int  # the data section's bytes its tensors need
+    tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
+
+
+def _known_request(frame: object, max_bytes: int) -> Request | None:
+    """``frame`` decoded through a remembered header, or None (for the full checks) when its
+    header is not one or anything else is off."""
+    if type(frame) is not bytes or len(frame) > max_bytes:
+        return None
+    end = _PREFIX.size + int.from_bytes(frame[4:8], "little")
+    known = _KNOWN.get(frame[: end - _NONCE_TAIL])
+    if known is None or known.data_start + known.data_end > len(frame):
+        return None
+    data = memoryview(frame)[known.data_start :]
+    inputs = {
+        name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+        for name, dtype, count, offset, shape in known.tensors
+    }
+    return Request(inputs, {"nonce": frame[end - _NONCE_TAIL : end]})
+
+
+def _learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
+    """Remember the checked request ``header`` of ``frame`` when its last bytes are its nonce and
+    nothing else varies: the options are only the nonce, and msgpack writes the header back to
+    the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
+    behind the same key)."""
+    if type(frame) is not bytes or list(header)[-1] != "options" or header["options"].keys() != {"nonce"}:
+        return
+    nonce = header["options"]["nonce"]
+    if not isinstance(nonce, bytes) or len(nonce) != _NONCE_TAIL:
+        return
+    end = _PREFIX.size + int.from_bytes(frame[4:8], "little")
+    if end > _KNOWN_MAX_HEADER or msgpack.packb(header, use_bin_type=True) != frame[_PREFIX.size : end]:
+        return
+    descriptors = header["inputs"]
+    tensors = tuple(
+        (name, _WIRE_DTYPES[d["dtype"]], prod(d["shape"]), d["offset"], tuple(d["shape"]))
+        for name, d in descriptors.items()
+    )
+    if len(_KNOWN) >= 64:  # forged headers vary at will: the cache stays small
+        _KNOWN.clear()
+    data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
+    _KNOWN[frame[: end - _NONCE_TAIL]] = _Known(len(frame) - len(data), data_end, tensors)
 
 
 def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Response:

@@ -40,6 +40,9 @@ def check_batchable(signature: ModelSignature) -> None:
 
 
 def batch_key(inputs: Tensors) -> BatchKey:
+    if len(inputs) == 1:  # most models': nothing to sort
+        for name, value in inputs.items():
+            return ((name, value.dtype.str, value.shape[1:]),)
     return tuple(sorted((name, value.dtype.str, tuple(value.shape[1:])) for name, value in inputs.items()))
 
 
@@ -75,5 +78,8 @@ def split(outputs: Tensors, sizes: Sequence[int]) -> list[Tensors]:
                 f"output {name!r} has shape {list(value.shape)} for a batch of {total} rows: "
                 "its first dimension is not the batch"
             )
-    bounds = np.cumsum([0, *sizes])
-    return [{name: value[bounds[i] : bounds[i + 1]] for name, value in outputs.items()} for i in range(len(sizes))]
+    per_job, start, named = [], 0, list(outputs.items())
+    for size in sizes:
+        per_job.append({name: value[start : start + size] for name, value in named})
+        start += size
+    return per_job

@@ -24,7 +24,7 @@ from ortq.worker.intake import Taken
 log = logging.getLogger("ortq.worker")
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A job whose request decoded and fits the model, waiting for its group's run."""
 
@@ -36,7 +36,7 @@ class Pending:
     nonce: bytes | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Failure:
     """A job to fail (or, with ``retry``, to put back for another attempt), as book.fail takes it."""
 
@@ -120,21 +120,30 @@ def finished(
     """Stage 6 for one job of a run: its response frame and (``rq_result``) RQ's result summary."""
     timings = {**member.timings, "run": run}
     t0 = time.perf_counter()
-    frame = wire.encode_response(outputs, timings, member.nonce)
+    layout = wire.layout_of(outputs)  # the same for every job of the run, worked out once
+    frame = wire.encode_response(outputs, timings, member.nonce, layout)
     timings["encode"] = time.perf_counter() - t0
     if not rq_result:
         return Finished(member.started, frame, ttl, None, timings)
     summary = {
         "reply_key": keys.reply_key(member.job.job_id),
-        "outputs": {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()},
+        "outputs": layout.shapes if layout is not None else _shapes(outputs),
         "batch_size": batch_size,
         "timings": timings,
     }
     return Finished(member.started, frame, ttl, MsgpackSerializer.dumps(summary), timings)
 
 
+def _shapes(outputs: dict[str, np.ndarray]) -> dict[str, list[object]]:
+    return {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()}
+
+
 def rows_of(inputs: dict[str, np.ndarray]) -> int:
     """The rows a job adds to a batch: every input's first dimension, which must agree."""
+    if len(inputs) == 1:  # most models': nothing to agree
+        for value in inputs.values():
+            if value.ndim:
+                return int(value.shape[0])
     sizes = {name: value.shape[0] if value.ndim else None for name, value in inputs.items()}
     distinct = set(sizes.values())
     if len(distinct) != 1 or None in distinct:

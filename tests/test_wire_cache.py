@@ -1,0 +1,172 @@
+"""The worker's per-job shortcuts decide nothing on their own: a request frame whose header was
+seen before (ortq.wire's remembered headers), a response whose outputs look like the last job's
+(``wire.layout_of``) and a job hash like the last one (``JobRecord.parse``) come out exactly as
+without them, and a forged input that differs from a remembered one anywhere is checked in full.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ortq import rqjob, wire
+from ortq.errors import WireFormatError
+from ortq.rqjob import JobRecord
+
+PIXELS = np.arange(64, dtype=np.float32).reshape(1, 64)
+
+
+def producer_frame(nonce: bytes | None = None, inputs: dict[str, Any] | None = None) -> bytes:
+    """A request as ortq's producers write it (ortq.producer.checks.encode_job)."""
+    return wire.encode_request(inputs or {"pixels": PIXELS}, {"nonce": nonce or os.urandom(16)})
+
+
+def outcome(frame: bytes | bytearray, *, cold: bool) -> tuple[Any, ...]:
+    """What decoding ``frame`` gives, comparable; ``cold``: with nothing remembered."""
+    if cold:
+        wire._KNOWN.clear()
+    try:
+        request = wire.decode_request(frame, max_bytes=4096)
+    except WireFormatError as exc:
+        return type(exc), str(exc)
+    arrays = {k: (v.dtype.str, v.shape, v.tobytes(), v.flags.writeable) for k, v in request.inputs.items()}
+    return "decoded", request.options, arrays
+
+
+def warm_and_cold(frame: bytes | bytearray, known: bytes) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``frame`` decoded after ``known`` was (so that its header is remembered), and on its own."""
+    wire._KNOWN.clear()
+    wire.decode_request(known)
+    warm = outcome(frame, cold=False)
+    return warm, outcome(frame, cold=True)
+
+
+def test_a_producers_requests_decode_through_their_remembered_header() -> None:
+    first, second = producer_frame(), producer_frame(b"n" * 16)
+    wire._KNOWN.clear()
+    wire.decode_request(first)
+    assert len(wire._KNOWN) == 1
+    warm = wire.decode_request(second)
+    assert warm.nonce == b"n" * 16 and warm.options == {"nonce": b"n" * 16}
+    assert outcome(second, cold=False) == outcome(second, cold=True)
+    assert not warm.inputs["pixels"].flags.writeable and warm.inputs["pixels"].base is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_frame_differing_from_a_remembered_one_decodes_or_fails_as_without_it(data: st.DataObject) -> None:
+    known = producer_frame()
+    frame = bytearray(known)
+    how = data.draw(st.sampled_from(["byte", "truncate", "append"]))
+    if how == "byte":
+        at = data.draw(st.integers(0, len(frame) - 1))
+        frame[at] = data.draw(st.integers(0, 255).filter(lambda b: b != known[at]))
+    elif how == "truncate":
+        del frame[data.draw(st.integers(0, len(frame) - 1)) :]
+    else:
+        frame += data.draw(st.binary(min_size=1, max_size=16))
+    warm, cold = warm_and_cold(bytes(frame), known)
+    assert warm == cold
+
+
+def test_a_known_header_with_too_little_data_is_refused_as_without_it() -> None:
+    known = producer_frame()
+    warm, cold = warm_and_cold(known[:-4], known)
+    assert warm == cold and warm[0] is WireFormatError and "lie past the data section" in warm[1]
+    with pytest.raises(wire.PayloadTooLarge):
+        wire.decode_request(known, max_bytes=len(known) - 1)
+
+
+def test_only_a_nonce_as_the_headers_last_bytes_is_left_unread() -> None:
+    """Where the last 16 bytes are something else's (a key after the options), or the header has
+    other options, another encoding or no nonce, nothing is remembered."""
+    nonce = os.urandom(16)
+    header = msgpack.unpackb(producer_frame(nonce)[8:115])
+    data = PIXELS.tobytes()
+    forged = [
+        {**header, "extra": nonce},
+        {**header, "options": {"nonce": nonce, "other": 1}},
+        {**header, "options": {"nonce": None}},
+        {**header, "options": {}},
+        {**header, "options": {"nonce": nonce[:12]}},
+    ]
+    for fields in forged:
+        packed = msgpack.packb(fields, use_bin_type=True)
+        frame = b"ORTQ" + struct.pack("<I", len(packed)) + packed
+        frame += bytes(-len(frame) % 8) + data
+        wire._KNOWN.clear()
+        wire.decode_request(frame)
+        assert not wire._KNOWN, fields
+        other = frame[: len(packed) + 8 - 16] + os.urandom(16) + frame[len(packed) + 8 :]
+        assert outcome(other, cold=False) == outcome(other, cold=True)
+    # The same header with its version as a uint8 (0xcc 0x01, valid msgpack, not msgpack-python's).
+    frame = producer_frame()
+    packed = frame[8:115].replace(b"\xa1v\x01", b"\xa1v\xcc\x01", 1)
+    odd = b"ORTQ" + struct.pack("<I", len(packed)) + packed + bytes(-(8 + len(packed)) % 8) + data
+    wire._KNOWN.clear()
+    assert wire.decode_request(odd).nonce == frame[99:115]
+    assert not wire._KNOWN
+
+
+def test_other_buffers_and_many_headers_take_the_full_path() -> None:
+    known = producer_frame()
+    wire._KNOWN.clear()
+    wire.decode_request(known)
+    assert outcome(bytearray(known), cold=False) == outcome(bytearray(known), cold=True)
+    assert wire.decode_request(memoryview(known)).options == wire.decode_request(known).options
+    for rows in range(1, 80):  # a header of each shape: the cache stays bounded
+        wire.decode_request(producer_frame(inputs={"x": np.zeros((rows, 2), np.int8)}))
+    assert len(wire._KNOWN) <= 64
+
+
+OUTPUT_SETS: list[dict[str, Any]] = [
+    {"probabilities": np.ones((32, 10), np.float32)[3:4], "label": np.arange(32)[3:4]},
+    {"probabilities": np.ones((32, 10), np.float32)[3:9], "label": np.arange(32)[3:9]},
+    {"a": np.zeros((0, 3), np.int8), "b": np.ones((2,), np.float64), "c": np.ones((3,), np.uint16)},
+    {"flag": np.ones((1,), np.bool_), "h": np.ones((5,), np.float16)},
+    {"x": np.ones((2, 2), ">f4")},  # converted: no layout
+    {"x": np.ones((4, 4), np.float32)[:, ::2]},  # not contiguous: no layout
+    {"x": [[1, 2], [3, 4]]},  # not an array: no layout
+    {},
+]
+
+
+@pytest.mark.parametrize("outputs", OUTPUT_SETS)
+@pytest.mark.parametrize("nonce", [None, b"x" * 16, b"y" * 300])
+@pytest.mark.parametrize("timings", [None, {"queue": 0.5, "run": 1}, {}])
+def test_a_response_is_the_same_bytes_through_a_layout(
+    outputs: dict[str, Any], nonce: bytes | None, timings: dict[str, float] | None
+) -> None:
+    wire._LAYOUTS.clear()
+    body = {"kind": "response", "ok": True, "outputs": outputs, "timings": wire._timings(timings)}
+    expected = wire._encode(wire._with_nonce(body, nonce), "outputs")
+    assert wire.encode_response(outputs, timings, nonce) == expected  # learns the layout
+    assert wire.encode_response(outputs, timings, nonce) == expected  # uses it
+    layout = wire.layout_of(outputs)
+    if layout is not None:
+        shapes = {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()}
+        assert layout.shapes == shapes
+        assert wire.encode_response(outputs, timings, nonce, layout) == expected
+
+
+def test_a_job_hash_like_a_remembered_one_except_for_its_function_is_refused() -> None:
+    good = {b"data": rqjob.MsgpackSerializer.dumps(["ortq.rqjob.infer", None, ["m"], {}]), b"result_ttl": b"60"}
+    rqjob._SETTLED.clear()
+    assert JobRecord.parse("a", good).forbidden is None
+    forged = {**good, b"data": rqjob.MsgpackSerializer.dumps(["os.system", None, ["ls"], {}])}
+    assert "os.system" in str(JobRecord.parse("b", forged).forbidden)
+    with_callback = {**good, b"success_callback_name": b"os.system"}
+    assert "callback" in str(JobRecord.parse("c", with_callback).forbidden)
+    assert JobRecord.parse("d", {**good, b"result_ttl": b"61"}).result_ttl == 61
+    later = JobRecord.parse("e", {**good, b"enqueued_at": b"2026-01-02T03:04:05.000006Z"})
+    assert later.job_id == "e" and later.enqueued_at is not None and later.enqueued_at.microsecond == 6
+    for ttl in range(100):
+        JobRecord.parse("f", {**good, b"ttl": str(ttl).encode()})
+    assert len(rqjob._SETTLED) <= 64

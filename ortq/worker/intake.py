@@ -34,7 +34,7 @@ log = logging.getLogger("ortq.worker")
 INLINE_FRAME_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Taken:
     """A started job and its request frame: the bytes, None when there is none (its ttl passed, or
     it was deleted), or the error that fails the job without decoding anything."""

@@ -1,7 +1,7 @@
 """Where Redis's time goes per job: a worker (in this process, burst) drains a queue of digits jobs
 filled beforehand, then Redis's ``INFO commandstats`` is divided by the job count.
 
-    python -m bench.redis_profile [--jobs 6000] [--max-batch 32]
+    python -m bench.redis_profile [--jobs 6000] [--max-batch 32] [--rq-results on,off]
 
 ``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
 (their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
@@ -27,22 +27,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=6000)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument(
+        "--rq-results", default="on", help="on, off or on,off: with RQ's result record per job (ORTQ_RQ_RESULTS) or not"
+    )
     args = parser.parse_args()
+    for recorded in args.rq_results.split(","):
+        profile(args.jobs, args.max_batch, {"on": True, "off": False}[recorded])
+
+
+def profile(jobs: int, max_batch: int, rq_results: bool) -> None:
     with LocalRedis() as server:
-        settings = Settings.from_url(server.url)
+        settings = Settings.from_url(server.url, rq_results=rq_results)
         with Producer(settings=settings, allow_unknown_models=True) as producer:
             rng = np.random.default_rng(0)
             inputs = [{"pixels": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(8)]
-            producer.submit_many("digits", [inputs[i % 8] for i in range(args.jobs)])
+            producer.submit_many("digits", [inputs[i % 8] for i in range(jobs)])
         connection = settings.connect()
         connection.config_resetstat()
-        config = WorkerConfig(DIGITS, "digits", threads=1, max_batch=args.max_batch, rows_independent=True, burst=True)
+        config = WorkerConfig(DIGITS, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
         build_worker(config, settings).serve(handle_signals=False)
         stats = connection.info("commandstats")
-    rows = sorted(((v["usec"] / args.jobs, v["calls"] / args.jobs, k[8:]) for k, v in stats.items()), reverse=True)
+    rows = sorted(((v["usec"] / jobs, v["calls"] / jobs, k[8:]) for k, v in stats.items()), reverse=True)
     scripts = sum(usec for usec, _, name in rows if name in ("evalsha", "eval", "fcall"))
     inside = sum(usec for usec, _, name in rows if name not in ("evalsha", "eval", "fcall", "blmove", "lmove"))
-    print(f"{args.jobs} digits jobs, --max-batch {args.max_batch}: the scripts {scripts:.1f} us/job,")
+    print(f"{jobs} digits jobs, --max-batch {max_batch}, RQ results {'on' if rq_results else 'off'}: ", end="")
+    print(f"the scripts {scripts:.1f} us/job,")
     print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f}")
     for usec, calls, name in rows:
         if usec >= 0.05:

@@ -145,8 +145,8 @@ class Settings:
     max_queue_length: int = 0
     #: Workers write RQ's result record (``rq:results:<id>``: what RQ's ``job.return_value()``, the
     #: dashboards' result column read) for each successful job. ortq's producers read the reply
-    #: instead, so turning it off (``ORTQ_RQ_RESULTS=0``) loses nothing they see and saves about a
-    #: third of Redis's time per small job (docs/performance.md); failures are always recorded.
+    #: instead, so turning it off (``ORTQ_RQ_RESULTS=0``) loses nothing they see and saves Redis ~15%
+    #: of its scripts' time per small job (docs/performance.md); failures are always recorded.
     rq_results: bool = True
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each

@@ -11,7 +11,6 @@ allocates from declared shapes, and returns arrays that are zero-copy views of t
 
 from __future__ import annotations
 
-import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,108 +21,50 @@ import msgpack
 import numpy as np
 from numpy.typing import NDArray
 
-from ortq.errors import InvalidInput, PayloadTooLarge, UnsupportedDtype, WireFormatError
-
-WIRE_VERSION: int = 1
-MAGIC: bytes = b"ORTQ"
-SUPPORTED_DTYPES: tuple[str, ...] = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
+from ortq import knownheaders
+from ortq.errors import InvalidInput, PayloadTooLarge, WireFormatError
+from ortq.wiretypes import ALIGN as _ALIGN
+from ortq.wiretypes import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAGIC,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    SUPPORTED_DTYPES,
+    WIRE_VERSION,
+    RemoteError,
+    Request,
+    Response,
+    as_wire_array,
+    dtype_name,
 )
-DEFAULT_MAX_FRAME_BYTES: int = 256 * 1024 * 1024
-# Decoding a msgpack header builds Python objects several times its size (an empty array is one
-# byte on the wire and ~64 bytes in memory), so the header gets its own, much smaller, limit.
-MAX_HEADER_BYTES: int = 1024 * 1024
-MAX_DIMS: int = 32
+from ortq.wiretypes import MAX_ERROR_MESSAGE_CHARS as _MAX_ERROR_MESSAGE_CHARS
+from ortq.wiretypes import PREFIX as _PREFIX
+from ortq.wiretypes import WIRE_DTYPES as _WIRE_DTYPES
+from ortq.wiretypes import ZEROS as _ZEROS
+from ortq.wiretypes import short as _short
 
-# The exact little-endian dtype each name stands for; a decoder builds its views with these, so
-# arrays read the same on big-endian hosts.
-_WIRE_DTYPES: dict[str, np.dtype[Any]] = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
-_NAMES_BY_KIND_SIZE: dict[tuple[str, int], str] = {(d.kind, d.itemsize): n for n, d in _WIRE_DTYPES.items()}
-_ALIGN = 8
-_ZEROS = bytes(_ALIGN)
-_PREFIX = struct.Struct("<4sI")
-# A worker's error message can be a long traceback; it must still fit in the header limit.
-_MAX_ERROR_MESSAGE_CHARS = 64 * 1024
-
-
-@dataclass(frozen=True)
-class RemoteError:
-    """Why a worker failed a job: the exception's class name and message, as sent in the frame."""
-
-    type: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Request:
-    """A decoded request: input tensors by name (read-only views of the frame) and run options."""
-
-    inputs: dict[str, NDArray[Any]]
-    options: dict[str, Any]
-
-    @property
-    def nonce(self) -> bytes | None:
-        """The producer's ``options.nonce``, which the worker echoes in its response."""
-        nonce = self.options.get("nonce")
-        return nonce if isinstance(nonce, bytes) else None
-
-
-@dataclass(frozen=True)
-class Response:
-    """A decoded response: outputs (empty when the job failed), the failure if any, and timings in seconds."""
-
-    outputs: dict[str, NDArray[Any]]
-    error: RemoteError | None
-    timings: dict[str, float]
-    #: The request's nonce, echoed by the worker (None when the request had none or was unreadable).
-    nonce: bytes | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when the worker ran the model; False when ``error`` says why it did not."""
-        return self.error is None
-
-
-def dtype_name(dtype: np.dtype[Any]) -> str:
-    """The wire name ('float32', ...) of a numpy dtype of either byte order, or UnsupportedDtype."""
-    name = _NAMES_BY_KIND_SIZE.get((dtype.kind, dtype.itemsize))
-    # A structured dtype with one field still has kind 'V', so kind + size identifies the type.
-    if name is None:
-        raise UnsupportedDtype(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
-    return name
-
-
-def as_wire_array(name: str, value: object) -> NDArray[Any]:
-    """``value`` as the little-endian C-contiguous array a frame carries; copies only when needed.
-
-    Raises UnsupportedDtype (naming the tensor) for dtypes with no wire type, so a producer can
-    check inputs before enqueueing anything.
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidInput(f"tensor names must be non-empty strings, got {_short(name)}")
-    try:
-        arr = np.asarray(value)
-    except (ValueError, TypeError) as exc:  # ragged nested lists and the like
-        raise InvalidInput(f"tensor {name!r} cannot be converted to an array: {exc}") from exc
-    try:
-        wire = _WIRE_DTYPES[dtype_name(arr.dtype)]
-    except UnsupportedDtype:
-        raise UnsupportedDtype(
-            f"tensor {name!r} has dtype {arr.dtype}, which ortq cannot carry; supported: {', '.join(SUPPORTED_DTYPES)}"
-        ) from None
-    # copy=False: an array already in wire layout is written straight from its own buffer.
-    return arr.astype(wire, order="C", copy=False)
+#: The codec's functions, and the vocabulary of ortq.wiretypes re-exported: ``wire.Request``,
+#: ``wire.SUPPORTED_DTYPES`` and the like are what other modules use.
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MAGIC",
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "SUPPORTED_DTYPES",
+    "WIRE_VERSION",
+    "Layout",
+    "RemoteError",
+    "Request",
+    "Response",
+    "as_wire_array",
+    "decode_request",
+    "decode_response",
+    "dtype_name",
+    "encode_error",
+    "encode_request",
+    "encode_response",
+    "layout_of",
+]
 
 
 def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | None = None) -> bytes:
@@ -221,7 +162,7 @@ def _with_nonce(body: dict[str, Any], nonce: bytes | None) -> dict[str, Any]:
 
 def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Request:
     """The request in ``frame``; raises WireFormatError (PayloadTooLarge over ``max_bytes``)."""
-    known = _known_request(frame, max_bytes)
+    known = knownheaders.known_request(frame, max_bytes)
     if known is not None:
         return known
     header, data = _parse(frame, max_bytes, "request")
@@ -230,67 +171,8 @@ def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DE
         raise WireFormatError("header 'options' must be a map with string keys")
     _check_nonce(options.get("nonce"), "options 'nonce'")
     request = Request(inputs=_read_tensors(header, "inputs", data), options=options)
-    _learn(frame, header, data)
+    knownheaders.learn(frame, header, data)
     return request
-
-
-#: A producer's requests differ only in their nonce, the header's last 16 bytes (ortq's producers
-#: write ``options`` last, holding nothing but the nonce). A header that passed every check is
-#: remembered by its bytes up to those 16, with what it declares; a frame whose bytes are the same
-#: up there decodes the same (msgpack is read front to back, and a bin's payload is never looked
-#: into), so it is only checked for what is its own: its length. Keys are exact bytes: a forged
-#: header that differs anywhere else is not found and gets the full checks.
-_NONCE_TAIL = 16
-_KNOWN_MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
-_KNOWN: dict[bytes, _Known] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class _Known:
-    data_start: int
-    data_end: int  # the data section's bytes its tensors need
-    tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
-
-
-def _known_request(frame: object, max_bytes: int) -> Request | None:
-    """``frame`` decoded through a remembered header, or None (for the full checks) when its
-    header is not one or anything else is off."""
-    if type(frame) is not bytes or len(frame) > max_bytes:
-        return None
-    end = _PREFIX.size + int.from_bytes(frame[4:8], "little")
-    known = _KNOWN.get(frame[: end - _NONCE_TAIL])
-    if known is None or known.data_start + known.data_end > len(frame):
-        return None
-    data = memoryview(frame)[known.data_start :]
-    inputs = {
-        name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
-        for name, dtype, count, offset, shape in known.tensors
-    }
-    return Request(inputs, {"nonce": frame[end - _NONCE_TAIL : end]})
-
-
-def _learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
-    """Remember the checked request ``header`` of ``frame`` when its last bytes are its nonce and
-    nothing else varies: the options are only the nonce, and msgpack writes the header back to
-    the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
-    behind the same key)."""
-    if type(frame) is not bytes or list(header)[-1] != "options" or header["options"].keys() != {"nonce"}:
-        return
-    nonce = header["options"]["nonce"]
-    if not isinstance(nonce, bytes) or len(nonce) != _NONCE_TAIL:
-        return
-    end = _PREFIX.size + int.from_bytes(frame[4:8], "little")
-    if end > _KNOWN_MAX_HEADER or msgpack.packb(header, use_bin_type=True) != frame[_PREFIX.size : end]:
-        return
-    descriptors = header["inputs"]
-    tensors = tuple(
-        (name, _WIRE_DTYPES[d["dtype"]], prod(d["shape"]), d["offset"], tuple(d["shape"]))
-        for name, d in descriptors.items()
-    )
-    if len(_KNOWN) >= 64:  # forged headers vary at will: the cache stays small
-        _KNOWN.clear()
-    data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
-    _KNOWN[frame[: end - _NONCE_TAIL]] = _Known(len(frame) - len(data), data_end, tensors)
 
 
 def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Response:
@@ -499,15 +381,6 @@ def _map_without_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 def _reject_ext(code: int, data: bytes) -> NoReturn:
     """ext_hook for headers: the format defines no msgpack extension types."""
     raise ValueError(f"msgpack extension type {code} is not allowed in a header")
-
-
-def _short(value: object) -> str:
-    """repr of attacker-controlled ``value``, cut so error messages and logs stay small."""
-    try:
-        text = repr(value)
-    except RecursionError:  # msgpack nests up to 1023 deep; repr gives up near Python's recursion limit
-        return f"<{type(value).__name__} nested too deeply to show>"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _fail(message: str) -> NoReturn:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ortq import rqjob, wire
+from ortq import knownheaders, rqjob, wire
 from ortq.errors import WireFormatError
 from ortq.rqjob import JobRecord
 
@@ -31,7 +31,7 @@ def producer_frame(nonce: bytes | None = None, inputs: dict[str, Any] | None = N
 def outcome(frame: bytes | bytearray, *, cold: bool) -> tuple[Any, ...]:
     """What decoding ``frame`` gives, comparable; ``cold``: with nothing remembered."""
     if cold:
-        wire._KNOWN.clear()
+        knownheaders.KNOWN.clear()
     try:
         request = wire.decode_request(frame, max_bytes=4096)
     except WireFormatError as exc:
@@ -42,7 +42,7 @@ def outcome(frame: bytes | bytearray, *, cold: bool) -> tuple[Any, ...]:
 
 def warm_and_cold(frame: bytes | bytearray, known: bytes) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """``frame`` decoded after ``known`` was (so that its header is remembered), and on its own."""
-    wire._KNOWN.clear()
+    knownheaders.KNOWN.clear()
     wire.decode_request(known)
     warm = outcome(frame, cold=False)
     return warm, outcome(frame, cold=True)
@@ -50,9 +50,9 @@ def warm_and_cold(frame: bytes | bytearray, known: bytes) -> tuple[tuple[Any, ..
 
 def test_a_producers_requests_decode_through_their_remembered_header() -> None:
     first, second = producer_frame(), producer_frame(b"n" * 16)
-    wire._KNOWN.clear()
+    knownheaders.KNOWN.clear()
     wire.decode_request(first)
-    assert len(wire._KNOWN) == 1
+    assert len(knownheaders.KNOWN) == 1
     warm = wire.decode_request(second)
     assert warm.nonce == b"n" * 16 and warm.options == {"nonce": b"n" * 16}
     assert outcome(second, cold=False) == outcome(second, cold=True)
@@ -101,29 +101,29 @@ def test_only_a_nonce_as_the_headers_last_bytes_is_left_unread() -> None:
         packed = msgpack.packb(fields, use_bin_type=True)
         frame = b"ORTQ" + struct.pack("<I", len(packed)) + packed
         frame += bytes(-len(frame) % 8) + data
-        wire._KNOWN.clear()
+        knownheaders.KNOWN.clear()
         wire.decode_request(frame)
-        assert not wire._KNOWN, fields
+        assert not knownheaders.KNOWN, fields
         other = frame[: len(packed) + 8 - 16] + os.urandom(16) + frame[len(packed) + 8 :]
         assert outcome(other, cold=False) == outcome(other, cold=True)
     # The same header with its version as a uint8 (0xcc 0x01, valid msgpack, not msgpack-python's).
     frame = producer_frame()
     packed = frame[8:115].replace(b"\xa1v\x01", b"\xa1v\xcc\x01", 1)
     odd = b"ORTQ" + struct.pack("<I", len(packed)) + packed + bytes(-(8 + len(packed)) % 8) + data
-    wire._KNOWN.clear()
+    knownheaders.KNOWN.clear()
     assert wire.decode_request(odd).nonce == frame[99:115]
-    assert not wire._KNOWN
+    assert not knownheaders.KNOWN
 
 
 def test_other_buffers_and_many_headers_take_the_full_path() -> None:
     known = producer_frame()
-    wire._KNOWN.clear()
+    knownheaders.KNOWN.clear()
     wire.decode_request(known)
     assert outcome(bytearray(known), cold=False) == outcome(bytearray(known), cold=True)
     assert wire.decode_request(memoryview(known)).options == wire.decode_request(known).options
     for rows in range(1, 80):  # a header of each shape: the cache stays bounded
         wire.decode_request(producer_frame(inputs={"x": np.zeros((rows, 2), np.int8)}))
-    assert len(wire._KNOWN) <= 64
+    assert len(knownheaders.KNOWN) <= 64
 
 
 OUTPUT_SETS: list[dict[str, Any]] = [

@@ -1,0 +1,72 @@
+"""The worker's fast path for request headers it has seen: ortq.wire.decode_request asks here first.
+
+A producer's requests differ only in their nonce, the header's last 16 bytes (ortq's producers
+write ``options`` last, holding nothing but the nonce). A header that passed every check is
+remembered by its bytes up to those 16, with what it declares; a frame whose bytes are the same
+up there decodes the same (msgpack is read front to back, and a bin's payload is never looked
+into), so it is only checked for what is its own: its length. Keys are exact bytes: a forged
+header that differs anywhere else is not found and gets the full checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ortq.wiretypes import PREFIX, WIRE_DTYPES, Request
+
+NONCE_TAIL = 16
+MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
+KNOWN: dict[bytes, _Known] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    data_start: int
+    data_end: int  # the data section's bytes its tensors need
+    tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
+
+
+def known_request(frame: object, max_bytes: int) -> Request | None:
+    """``frame`` decoded through a remembered header, or None (for the full checks) when its
+    header is not one or anything else is off."""
+    if type(frame) is not bytes or len(frame) > max_bytes:
+        return None
+    end = PREFIX.size + int.from_bytes(frame[4:8], "little")
+    known = KNOWN.get(frame[: end - NONCE_TAIL])
+    if known is None or known.data_start + known.data_end > len(frame):
+        return None
+    data = memoryview(frame)[known.data_start :]
+    inputs = {
+        name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+        for name, dtype, count, offset, shape in known.tensors
+    }
+    return Request(inputs, {"nonce": frame[end - NONCE_TAIL : end]})
+
+
+def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
+    """Remember the checked request ``header`` of ``frame`` when its last bytes are its nonce and
+    nothing else varies: the options are only the nonce, and msgpack writes the header back to
+    the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
+    behind the same key)."""
+    if type(frame) is not bytes or list(header)[-1] != "options" or header["options"].keys() != {"nonce"}:
+        return
+    nonce = header["options"]["nonce"]
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_TAIL:
+        return
+    end = PREFIX.size + int.from_bytes(frame[4:8], "little")
+    if end > MAX_HEADER or msgpack.packb(header, use_bin_type=True) != frame[PREFIX.size : end]:
+        return
+    descriptors = header["inputs"]
+    tensors = tuple(
+        (name, WIRE_DTYPES[d["dtype"]], prod(d["shape"]), d["offset"], tuple(d["shape"]))
+        for name, d in descriptors.items()
+    )
+    if len(KNOWN) >= 64:  # forged headers vary at will: the cache stays small
+        KNOWN.clear()
+    data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
+    KNOWN[frame[: end - NONCE_TAIL]] = _Known(len(frame) - len(data), data_end, tensors)

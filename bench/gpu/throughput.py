@@ -12,7 +12,8 @@ DIR holds digits.onnx and conv.onnx (tests/onnx_models.py). Three workloads: ``d
    as the workers', and push a reply of the response's size for each; no decode, no run (jobs/s);
 3. **ortq**: 1, 2, 4 real ``ortq worker`` processes with ``--max-batch``: the queue is filled while
    the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
-   job (utime+stime from /proc) and Redis's (INFO cpu), so a miss says which side the time went to.
+   job (utime+stime from /proc) and Redis's (INFO cpu; of which its scripts' time, INFO commandstats),
+   so a miss says which side the time went to.
    ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
    (``ORTQ_RQ_RESULTS``), side by side.
 
@@ -97,6 +98,13 @@ def cpu_seconds(pid: int) -> float:
 def redis_cpu(connection: redis.Redis) -> float:
     info = connection.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def scripts_usec(connection: redis.Redis) -> float:
+    """Redis's time inside scripts so far (µs, INFO commandstats): the part of its CPU that is
+    ortq's bookkeeping, the rest being round trips and plain commands."""
+    stats = connection.info("commandstats")
+    return float(sum(stats.get(f"cmdstat_{name}", {}).get("usec", 0) for name in ("evalsha", "eval")))
 
 
 def wait_drained(connection: redis.Redis, queue_key: str, total: int, done: Any, timeout: float = 300) -> float:
@@ -224,7 +232,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
             jobs = producer.submit_many(work.name, [inputs[i % 8] for i in range(work.jobs)])
             finished = layout.QueueKeys.of(keys.queue_name(work.name)).finished
             cpu_before = [cpu_seconds(w.pid) for w in workers]
-            redis_before = redis_cpu(connection)
+            redis_before, scripts_before = redis_cpu(connection), scripts_usec(connection)
             connection.delete(layout.suspended_key())
             base = connection.zcard(finished)  # earlier drains' jobs
             seconds = wait_drained(
@@ -232,6 +240,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
             )
             worker_cpu = sum(cpu_seconds(w.pid) for w in workers) - sum(cpu_before)
             redis_spent = redis_cpu(connection) - redis_before
+            scripts_spent = scripts_usec(connection) - scripts_before
             session = session_for(model, "cpu")
             want = [session.run(None, x)[0] for x in inputs]
             checked = producer.results([jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))], timeout=60)
@@ -252,6 +261,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
         "rows_per_s": work.jobs * work.rows_per_job / seconds,
         "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
         "redis_cpu_us_per_job": 1e6 * redis_spent / work.jobs,
+        "redis_scripts_us_per_job": scripts_spent / work.jobs,
         "max_abs_diff_vs_cpu": worst,
         "outputs_close": worst < 1e-3,
     }
@@ -289,7 +299,7 @@ def measure(
 def report(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'workload':10} {'w':>2} {'rq':>3} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13} {'x direct':>8} "
-        f"{'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}"
+        f"{'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12} {'in scripts':>10}"
     )
     for row in rows:
         for run in row["runs"]:
@@ -297,7 +307,8 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{row['workload']:10} {run['workers']:>2} {'on' if run['rq_results'] else 'off':>3} "
                 f"{run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
                 f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
-                f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f}"
+                f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f} "
+                f"{run['redis_scripts_us_per_job']:>10.1f}"
             )
 
 

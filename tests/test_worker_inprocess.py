@@ -284,6 +284,7 @@ def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
         [expected] = session.run(None, given)
         np.testing.assert_allclose(got["y"], expected, rtol=1e-6)
     assert not any(connection.exists(layout.results_key(h.id)) for h in handles)
+    assert running.worker.presence.record()["rq_results"] is False  # what `ortq info` shows
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 

@@ -240,6 +240,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "nodes": model.placement,
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
+            "rq_results": settings.rq_results,
         },
     )
     name = config.worker_name or config.default_worker_name()

@@ -20,7 +20,7 @@ import redis
 from rq.command import send_shutdown_command
 
 from ortq import keys, wire
-from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, InferenceFailed
+from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, InferenceFailed
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
@@ -286,6 +286,31 @@ def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
     assert not any(connection.exists(layout.results_key(h.id)) for h in handles)
     assert running.worker.presence.record()["rq_results"] is False  # what `ortq info` shows
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
+
+
+def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The documented worker rule without ZMSCORE (finish.lua's fencing): before, the refusal inside
+    # the script read as "no job owned", and every job came back later as WorkerLost.
+    from tests.test_transport_security import WORKER_RULES
+
+    user, password = f"w-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    rules = WORKER_RULES.replace("+zmscore ", "")
+    assert rules != WORKER_RULES
+    connection.execute_command("ACL", "SETUSER", user, "on", f">{password}", *rules.split())
+    try:
+        url = settings.redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+        worker = make_worker(tiny_path, model_name, replace(settings, redis_url=url))
+        running = Serving(worker)
+        with Producer(settings=settings) as producer:
+            producer.wait_for_workers(model_name, 1, timeout=30)
+            producer.submit(model_name, X)
+            running.thread.join(30)
+        assert running.status == EXIT_CONFIGURATION
+        assert "give it the worker rule of docs/security.md" in caplog.text
+    finally:
+        connection.execute_command("ACL", "DELUSER", user)
 
 
 def test_the_rescue_is_bounded_per_call(connection: redis.Redis, book: Book) -> None:

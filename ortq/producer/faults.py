@@ -31,8 +31,10 @@ def is_wrong_type(exc: BaseException) -> bool:
 
 
 def is_refused(exc: BaseException) -> bool:
-    """The Redis user may not run that command on that key (ACL)."""
-    return isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc)
+    """The Redis user may not run that command on that key (ACL); inside a script or function,
+    Redis 7.0 words it "The user executing the script can't run this command"."""
+    text = str(exc)
+    return isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in text or "can't run this command" in text
 
 
 def failure(exc: redis.RedisError, doing: str, wrong_type: str | None = None) -> OrtqError:

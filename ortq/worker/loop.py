@@ -11,7 +11,8 @@ and the next batch's decoding overlap the run; the main thread alone calls ``ses
 The worker is an RQ worker to every RQ tool (ortq.rqcompat writes RQ's records), but no RQ code
 runs in it: nothing from RQ is subclassed or patched. Its exit status says why it ended: 0 only
 when it was asked to stop (a signal, RQ's shutdown command, the end of a burst), EXIT_DEVICE_LOST
-when the GPU went away, EXIT_CRASHED for anything else.
+when the GPU went away, EXIT_CONFIGURATION when Redis's ACL refuses it a command, EXIT_CRASHED for
+anything else.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import redis
 
 from ortq import keys
-from ortq.errors import EXIT_CRASHED, EXIT_DEVICE_LOST, DeviceLost, JobTimeout
+from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, DeviceLost, JobTimeout
 from ortq.metrics import WorkerMetrics
 from ortq.producer.priority import ensure_functions
 from ortq.rqcompat.book import Book, StartedJob
@@ -120,6 +121,9 @@ class Worker:
             status = 0
         except DeviceLost:
             status = EXIT_DEVICE_LOST
+        except ConfigurationError as exc:  # what only the operator can fix, e.g. an ACL refusal
+            log.critical("%s", exc)
+            status = EXIT_CONFIGURATION
         except REDIS_DOWN as exc:
             log.critical("Redis at %s stayed unreachable while this worker held undelivered work: %s", where, exc)
         except Exception:

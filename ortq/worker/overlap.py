@@ -18,7 +18,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ortq.errors import ConfigurationError
 from ortq.metrics import WorkerMetrics
+from ortq.producer.faults import is_refused
 from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings
 from ortq.signature import ModelSignature
@@ -75,6 +77,18 @@ def survive(stop: threading.Event, exc: Exception, what: str, in_a_row: int) -> 
     log.error("%s failed (%d in a row); the worker goes on", what, in_a_row, exc_info=exc)
     stop.wait(min(0.1 * 2**in_a_row, 2.0))
     return in_a_row
+
+
+def acl_refusal(exc: Exception) -> ConfigurationError | None:
+    """The ConfigurationError that ends the worker (exit 2) when Redis's ACL refused one of its
+    commands: no job can be answered until the user's rights are fixed, and taking jobs it cannot
+    answer would only fail them as WorkerLost later."""
+    if not is_refused(exc):
+        return None
+    return ConfigurationError(
+        f"Redis refused a command to this worker's user ({exc}): its ACL lacks a command ortq's scripts "
+        "run; give it the worker rule of docs/security.md ('The worker')"
+    )
 
 
 def give_back(upkeep: Upkeep, held: Sequence[StartedJob]) -> None:
@@ -142,8 +156,10 @@ class Feeder:
                 # A record nobody foresaw (a refused script, a value the code mishandles): the
                 # entries it came with stay in the intermediate list or started, where the rescue
                 # and the recovery of orphans find them (and fail them WorkerLost if they do it
-                # again). Only errors in a row past a bound end the worker.
+                # again). Only errors in a row past a bound end the worker, and an ACL refusal.
                 threads.slots.release()
+                if (refused := acl_refusal(exc)) is not None:
+                    raise refused from exc
                 unexpected = survive(threads.stop, exc, "taking jobs", unexpected)
                 continue
             if taken is None:  # burst, and the queue is empty
@@ -225,6 +241,8 @@ class Replier:
             # Redis refused a write (a record nobody foresaw): the jobs stay started, and are
             # taken back as this worker's own orphans once they are no longer held.
             log.error("answering %d job(s) failed: %s", len(outcome.held), exc, exc_info=exc)
+            if (refused := acl_refusal(exc)) is not None:
+                self.threads.fail(refused)
         finally:
             self.presence.release(outcome.held)
 

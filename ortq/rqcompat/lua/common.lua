@@ -81,10 +81,24 @@ local function answer(id, frame, ttl)
   post(id, frame, ttl)
 end
 
+-- The reply of a redis.pcall on a key that anyone may have filled with another type or content:
+-- an error there (WRONGTYPE, an XADD id below a forged entry's) is handed back for the caller to
+-- treat as no record of ours; only the ACL refusing the command is raised (the worker's
+-- configuration, not the record: the worker must say so rather than take it for a forged key).
+-- Redis 7.0 words that refusal "can't run this command", later versions start it with NOPERM.
+local function unless_acl(reply)
+  if type(reply) == 'table' and reply.err and (string.find(reply.err, 'NOPERM', 1, true)
+      or string.find(reply.err, "can't run this command", 1, true)) then
+    error(reply)
+  end
+  return reply
+end
+
 -- A write to a key that anyone may have filled with another type: tried as it is, and only when
--- Redis refuses it, the key is replaced and the write made again (cheaper than a TYPE each time).
+-- Redis refuses it (not the ACL: see unless_acl), the key is replaced and the write made again
+-- (cheaper than a TYPE each time).
 local function write(...)
-  local reply = redis.pcall(...)
+  local reply = unless_acl(redis.pcall(...))
   if type(reply) == 'table' and reply.err then
     redis.call('DEL', select(2, ...))
     reply = redis.call(...)
@@ -92,9 +106,10 @@ local function write(...)
   return reply
 end
 
--- Removals from a key that may hold another type: nothing to remove there, so an error is nothing.
+-- Removals from a key that may hold another type: nothing to remove there, so an error is nothing
+-- (but the ACL's: see unless_acl).
 local function remove(...)
-  redis.pcall(...)
+  unless_acl(redis.pcall(...))
 end
 
 -- RQ's execution records of one run end: the execution hash, its entry in the job's executions,
@@ -110,7 +125,7 @@ end
 -- Is this execution still the job's? A job whose started entry is gone was taken back (its worker
 -- was thought dead) and belongs to its next execution: fencing for every answer.
 local function owns(queue, id, execution)
-  local score = redis.pcall('ZSCORE', wip_key(queue), id .. ':' .. execution)
+  local score = unless_acl(redis.pcall('ZSCORE', wip_key(queue), id .. ':' .. execution))
   return score ~= false and type(score) ~= 'table'
 end
 

@@ -61,6 +61,7 @@ __all__ = [
     "decode_response",
     "dtype_name",
     "encode_error",
+    "encode_laid_out",
     "encode_request",
     "encode_response",
     "layout_of",
@@ -76,14 +77,21 @@ def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | No
 
 
 def encode_response(
-    outputs: Mapping[str, NDArray[Any]],
-    timings: Mapping[str, float] | None = None,
-    nonce: bytes | None = None,
-    layout: Layout | None = None,
+    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, nonce: bytes | None = None
 ) -> bytes:
     """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
-    request's ``nonce``; ``layout``, when given, is ``layout_of(outputs)``."""
-    layout = layout or layout_of(outputs)
+    request's ``nonce``."""
+    return encode_laid_out(outputs, layout_of(outputs), timings, nonce)
+
+
+def encode_laid_out(
+    outputs: Mapping[str, NDArray[Any]],
+    layout: Layout | None,
+    timings: Mapping[str, float] | None = None,
+    nonce: bytes | None = None,
+) -> bytes:
+    """encode_response for a caller that has looked up ``layout_of(outputs)`` already (the worker
+    uses it for RQ's result too); None: no layout, the general encoder."""
     if layout is None:
         body = {"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}
         return _encode(_with_nonce(body, nonce), "outputs")

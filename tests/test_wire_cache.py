@@ -153,7 +153,7 @@ def test_a_response_is_the_same_bytes_through_a_layout(
     if layout is not None:
         shapes = {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()}
         assert layout.shapes == shapes
-        assert wire.encode_response(outputs, timings, nonce, layout) == expected
+    assert wire.encode_laid_out(outputs, layout, timings, nonce) == expected  # a layout, or None
 
 
 def test_a_job_hash_like_a_remembered_one_except_for_its_function_is_refused() -> None:

@@ -120,8 +120,8 @@ def finished(
     """Stage 6 for one job of a run: its response frame and (``rq_result``) RQ's result summary."""
     timings = {**member.timings, "run": run}
     t0 = time.perf_counter()
-    layout = wire.layout_of(outputs)  # the same for every job of the run, worked out once
-    frame = wire.encode_response(outputs, timings, member.nonce, layout)
+    layout = wire.layout_of(outputs)  # looked up once for the frame and RQ's summary (cached by shape)
+    frame = wire.encode_laid_out(outputs, layout, timings, member.nonce)
     timings["encode"] = time.perf_counter() - t0
     if not rq_result:
         return Finished(member.started, frame, ttl, None, timings)

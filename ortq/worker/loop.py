@@ -102,6 +102,10 @@ class Worker:
             self._install_signal_handlers()
         self.presence.register(self.connection)
         ensure_functions(self.connection)  # before producers see this worker: their FCALLs then work
+        # The feeder's and the replier's connections open now, not at their first take and answer:
+        # once producers see the worker it holds all of its connections (operations.md counts them).
+        for connection in (self.feeder.connection, self.replier.book.connection):
+            connection.ping()
         beat = Beat(
             lambda: self.settings.connect(check=False),
             self.name,

@@ -223,10 +223,6 @@ class Replier:
         self.thread = threading.Thread(target=self._run, name="ortq-replier", daemon=True)
 
     def _run(self) -> None:
-        try:  # connected from the start, as the other threads are: the worker's connections are all
-            self.book.connection.ping()  # open once it serves, not at its first answer
-        except REDIS_DOWN as exc:
-            log.warning("the replier's connection is not open yet: %s", exc)
         while (outcome := self.threads.replies.get()) is not END:
             self.deliver(outcome, self.book)
 

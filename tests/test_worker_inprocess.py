@@ -344,3 +344,79 @@ def test_due_retries_go_back_once(connection: redis.Redis, book: Book, model_nam
     assert connection.zcard(book.queue.scheduled) == 0
     eventually(lambda: connection.hget(keys.job_key(job_id), "status") == b"queued")
     assert layout.QueueKeys.of(book.queue.name).scheduled == book.queue.scheduled
+
+
+# ------------------------------------------------------------------ taking a backlog
+
+
+def test_start_without_a_first_id_pops_and_starts_the_batch_itself(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    ids = [str(uuid.uuid4()) for _ in range(5)]
+    for job_id in ids:
+        push(connection, model_name, job_id)
+    connection.rpush(book.queue.intermediate, "someone-elses")  # not this call's: left alone
+    with connection.pipeline(transaction=False) as pipe:
+        moment = book.queue_start(pipe, b"", 3, inline=65536)
+        [reply] = pipe.execute()
+    started, skipped = book.parse_start(reply, moment)
+    assert [s.job_id for s in started] == ids[:3] and skipped == [] and Book.backlog(reply) == 2
+    assert all(s.frame == wire.encode_request(X) for s in started)  # every frame inline, none read beside
+    assert len({s.execution_id for s in started}) == 3
+    assert connection.lrange(book.queue.intermediate, 0, -1) == [b"someone-elses"]
+    assert connection.zcard(book.queue.started) == 3
+    assert all(connection.hget(keys.job_key(i), "status") == b"started" for i in ids[:3])
+    with connection.pipeline(transaction=False) as pipe:
+        moment = book.queue_start(pipe, b"", 3, inline=65536)
+        [reply] = pipe.execute()
+    assert [s.job_id for s in book.parse_start(reply, moment)[0]] == ids[3:] and Book.backlog(reply) == 0
+
+
+def test_a_take_after_a_start_that_left_a_backlog_needs_no_blmove(
+    connection: redis.Redis, book: Book, model_name: str, settings: Settings
+) -> None:
+    from ortq.worker.intake import Intake
+
+    ids = [str(uuid.uuid4()) for _ in range(20)]
+    for job_id in ids:
+        push(connection, model_name, job_id)
+    intake = Intake(connection, book, settings, max_batch=8, max_wait=0.0)
+    connection.config_resetstat()
+    batches = [intake.take(block=False) for _ in range(4)]
+    moves = connection.info("commandstats").get("cmdstat_lmove", {}).get("calls", 0)
+    # The first take moves one job and pops 7 more; the next two pop theirs in the start script
+    # alone; the fourth finds the queue empty (its start left nothing) and asks LMOVE again.
+    assert [len(b or []) for b in batches[:3]] == [8, 8, 4] and batches[3] is None
+    assert moves == 2
+    taken = [t for batch in batches[:3] for t in batch or []]
+    assert [t.started.job_id for t in taken] == ids
+    assert all(t.frame == wire.encode_request(X) for t in taken)
+    assert connection.zcard(book.queue.started) == 20 and connection.llen(book.queue.intermediate) == 0
+
+
+def test_a_drained_backlog_is_answered_with_outputs_equal_to_a_direct_run(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis
+) -> None:
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        inputs = [{"x": np.random.default_rng(i).random((1 + i % 3, 4), np.float32)} for i in range(60)]
+        handles = producer.submit_many(model_name, inputs)  # queued before any worker: a backlog
+        worker = make_worker(tiny_path, model_name, settings, max_batch=8, rows_independent=True, burst=True)
+        assert worker.serve(handle_signals=False) == 0
+        outputs = producer.results(handles, timeout=30)
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    for given, got in zip(inputs, outputs, strict=True):
+        [expected] = session.run(None, given)
+        np.testing.assert_allclose(got["y"], expected, rtol=1e-6)
+    assert connection.zcard(Book(connection, "any", keys.queue_name(model_name)).queue.finished) == 60
+
+
+def test_slots_allow_a_third_batch_only_up_to_the_limit_asked() -> None:
+    from ortq.worker.overlap import Slots
+
+    slots = Slots()
+    assert slots.acquire(2, timeout=0.01) and slots.acquire(2, timeout=0.01)
+    assert not slots.acquire(2, timeout=0.01)  # no backlog: the batch running and one waiting
+    assert slots.acquire(3, timeout=0.01)  # a backlog: one more being taken
+    assert not slots.acquire(3, timeout=0.01)
+    slots.release()
+    assert not slots.acquire(2, timeout=0.01) and slots.acquire(3, timeout=0.01)

@@ -153,19 +153,19 @@ class Book:
     # ------------------------------------------------------------------ one job's path
 
     def queue_start(self, pipe: Any, first_id: bytes, more: int, inline: int = 0) -> datetime:
-        """Queue on ``pipe`` the start of ``first_id`` (already in the intermediate list) and of
-        up to ``more`` jobs popped after it; ``parse_start`` reads the reply. The request frames
-        of those others come back with it when at most ``inline`` bytes."""
+        """Queue on ``pipe`` the start of ``first_id`` (already in the intermediate list; b"" for
+        none) and of up to ``more`` jobs popped after it; ``parse_start`` reads the reply. The
+        request frames of those others come back with it when at most ``inline`` bytes."""
         moment = utcnow()
         # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the system's
         # random source for all of them, sent as one argument (start.lua cuts it).
-        executions = os.urandom(16 * (1 + more)).hex()
+        executions = os.urandom(16 * (bool(first_id) + more)).hex()
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
         self._call("start", [*args, inline, first_id, executions], client=pipe)
         return moment
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
-        started_raw, skipped_raw = reply
+        started_raw, skipped_raw, _ = reply
         started = []
         for job_id, execution, values, oversized, ttl, frame_size, frame in started_raw:
             # An oversized field leaves no values at all (nothing was read): the job is failed for it.
@@ -187,6 +187,11 @@ class Book:
         # A reason quotes a status read from the job hash: any bytes at all.
         skipped = [Skipped(entry, reason.decode(errors="replace")) for entry, reason in skipped_raw]
         return started, skipped
+
+    @staticmethod
+    def backlog(reply: Any) -> int:
+        """How many entries a start left on the queue (from its reply)."""
+        return int(reply[2])
 
     def finish(self, jobs: Sequence[Finished], state: str = "idle") -> int:
         """Answer every job, then write what RQ writes for each finished job; one round trip.

@@ -3,10 +3,14 @@ request frames, as few round trips as possible and with memory bounded by ``max_
 
 One job: ``BLMOVE`` (into RQ's intermediate list, as RQ does, so that a lost reply loses no job),
 then one round trip with ``start.lua`` (RQ's "started" records; with batching it pops up to
-``max_batch - 1`` more) and ``GETRANGE`` of the first request frame. ``GETRANGE 0 max_frame_bytes``
-returns at most one byte more than the limit, so a frame that is too large is known to be so
-without being read (a ``GET`` would fetch a 400 MiB frame whole before its size could be checked);
-a batch's other frames come in one more pipelined round trip, each bounded the same way.
+``max_batch - 1`` more) and ``GETRANGE`` of the first request frame. While the queue has a
+backlog (the last start left jobs on it), a take is a single round trip: ``start.lua`` pops the
+batch itself and returns its small frames (no list in between: what it pops it starts in the same
+atomic call, and a start whose reply is lost is taken back as this worker's own orphan).
+``GETRANGE 0 max_frame_bytes`` returns at most one byte more than the limit, so a frame that is too
+large is known to be so without being read (a ``GET`` would fetch a 400 MiB frame whole before its
+size could be checked); a batch's other frames come in one more pipelined round trip, each bounded
+the same way.
 """
 
 from __future__ import annotations
@@ -72,10 +76,19 @@ class Intake:
         self.batch_wait = 0.0
         self._suspended = False
         self._suspension_checked = -1.0
+        #: The last start left jobs on the queue: the next take needs no BLMOVE (see take).
+        self.backlog = False
 
     def take(self, block: bool) -> list[Taken] | None:
         """The next job and, batching, the jobs after it; [] when none came within one slice, and
         None (only without ``block``: burst mode) when the queue is empty."""
+        if self.backlog:
+            # The last start left jobs queued: the start script pops the next batch itself, with no
+            # BLMOVE first (one round trip a batch, not two, under load). Had others taken them
+            # meanwhile, it starts none, and the BLMOVE below waits as usual.
+            taken = self._start(b"", self.max_batch)
+            if taken:
+                return self._filled(taken)
         queue = self.book.queue
         try:
             if block:
@@ -92,29 +105,35 @@ class Intake:
             return []
         if raw is None:
             return [] if block else None
-        taken = self._start(raw, self.max_batch - 1)
+        return self._filled(self._start(raw, self.max_batch - 1))
+
+    def _filled(self, taken: list[Taken]) -> list[Taken]:
+        """``taken`` and the jobs that arrive within ``max_wait`` after it."""
         waited = time.perf_counter()
         taken += self._wait_for_more(len(taken))
         self.batch_wait = time.perf_counter() - waited
         return taken
 
     def _start(self, first: bytes, more: int) -> list[Taken]:
-        """Start ``first`` (and up to ``more`` queued after it) and read their frames."""
+        """Start ``first`` (b"": none, the queue's first) and up to ``more`` queued after it, and
+        read their frames."""
         limit = self.settings.max_frame_bytes
         first_text = first.decode(errors="replace")
         with self.starting, self.connection.pipeline(transaction=False) as pipe:
             moment = self.book.queue_start(pipe, first, more, inline=min(limit, INLINE_FRAME_BYTES))
-            pipe.getrange(keys.request_key(first_text), 0, limit)
-            reply, first_frame = pipe.execute(raise_on_error=False)
+            if first:
+                pipe.getrange(keys.request_key(first_text), 0, limit)
+            reply, *first_frame = pipe.execute(raise_on_error=False)
             if isinstance(reply, Exception):
                 raise reply
             started, skipped = self.book.parse_start(reply, moment)
+            self.backlog = self.book.backlog(reply) > 0
             self.on_started(started)
         for entry in skipped:
             self._skip(entry)
         frames: dict[str, object] = {}
-        if started and started[0].job_id == first_text:
-            frames[first_text] = first_frame
+        if first and started and started[0].job_id == first_text:
+            frames[first_text] = first_frame[0]
         frames.update((job.job_id, job.frame) for job in started if job.frame is not None)
         # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
         rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]

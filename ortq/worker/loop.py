@@ -37,7 +37,7 @@ from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
-from ortq.worker.overlap import END, Feeder, Outcome, Replier, Threads, give_back, survive
+from ortq.worker.overlap import END, Feeder, Outcome, Replier, Threads, check_batch, give_back, survive
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.upkeep import Upkeep
@@ -186,8 +186,8 @@ class Worker:
             # queue, but only once the feeder has ended: it would take them again. Otherwise (a
             # crash) they are taken back as orphans once this worker's heartbeat stops.
             leftovers = list(self._unanswered)
-            while not self._fed_out and (pending := threads.batches.get()) is not END:
-                leftovers += [p.started for p in pending]
+            while not self._fed_out and (batch := threads.batches.get()) is not END:
+                leftovers += [t.started for t in batch.taken]
             feeder.thread.join()
             if threads.device_lost.is_set():
                 give_back(self.upkeep, leftovers)
@@ -200,13 +200,14 @@ class Worker:
         unexpected = 0  # errors in a row that neither Redis nor a job explains
         while True:
             try:
-                pending = self.threads.batches.get(timeout=0.5)  # a timeout: signals get their turn
+                batch = self.threads.batches.get(timeout=0.5)  # a timeout: signals get their turn
             except queue.Empty:
                 continue
-            if pending is END:
+            if batch is END:
                 self._fed_out = True
                 return
-            outcome = Outcome([p.started for p in pending])
+            pending, failures = check_batch(batch, self.model.signature, self.settings, self.max_batch > 1)
+            outcome = Outcome([t.started for t in batch.taken], failures=failures)
             try:
                 self._run(pending, outcome)
                 unexpected = 0

@@ -1,13 +1,16 @@
-"""The two threads that keep the session busy: while the main thread runs a batch (ONNX Runtime
-releases the GIL in ``Run``), the **feeder** already takes, reads and checks the next one, and the
+"""The two threads that keep the session busy: while the main thread checks and runs a batch (ONNX
+Runtime releases the GIL in ``Run``), the **feeder** already takes and reads the next one, and the
 **replier** answers the previous one. Only the main thread calls ``Run``: still one session, one
-``Run`` at a time.
+``Run`` at a time. The main thread checks each batch (decode, the model's signature) itself: the
+feeder then spends its time in Redis round trips, and its start script is on its way while the
+main thread still works on the batch before (under the GIL, one thread computes at a time).
 
-At most one checked batch waits beside the one running (``Threads.slots``): a worker takes no more
-jobs than it is about to run, so that its neighbours on the queue are not starved. Each thread has
-its own Redis connection. A job is held (its records kept fresh by the heartbeat, see
-ortq.worker.presence) from its start until its answer is written; the scripts are fenced, so a job
-taken back from this worker meanwhile is answered once all the same.
+At most one batch waits beside the one running, and a second only while the queue has a backlog
+(the last take found a full batch; ``Slots``): a worker takes no more jobs than it is about to run,
+so that its neighbours on the queue are not starved. Each thread has its own Redis connection. A
+job is held (its records kept fresh by the heartbeat, see ortq.worker.presence) from its start
+until its answer is written; the scripts are fenced, so a job taken back from this worker meanwhile
+is answered once all the same.
 """
 
 from __future__ import annotations
@@ -49,13 +52,46 @@ class Outcome:
 END = None
 
 
+@dataclass(slots=True)
+class TakenBatch:
+    """Jobs one take started, with their frames, for the main thread to check and run."""
+
+    taken: list[Taken]
+    batch_wait: float  # seconds the take waited for more jobs after its first (a timing of each job)
+
+
+class Slots:
+    """Batches taken and not yet run: the feeder takes one more only while fewer than its limit are."""
+
+    def __init__(self) -> None:
+        self._taken = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, limit: int, timeout: float) -> bool:
+        """Count one more batch once fewer than ``limit`` are; False if that took past ``timeout``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._taken < limit, timeout):
+                return False
+            self._taken += 1
+            return True
+
+    def release(self) -> None:
+        with self._changed:
+            self._taken -= 1
+            self._changed.notify()
+
+
+#: Batches in hand at most (running, waiting, being taken): two, three while the queue has a backlog.
+SLOTS, SLOTS_WITH_BACKLOG = 2, 3
+
+
 class Threads:
     """What the feeder, the replier and the main thread share."""
 
     def __init__(self, stop: threading.Event) -> None:
         self.stop = stop
-        self.slots = threading.Semaphore(2)  # the batch running and the one waiting
-        self.batches: queue.Queue[list[jobs.Pending] | None] = queue.Queue()
+        self.slots = Slots()
+        self.batches: queue.Queue[TakenBatch | None] = queue.Queue()
         self.replies: queue.Queue[Outcome | None] = queue.Queue()
         #: The error that ended a thread (raised by the main thread), if any.
         self.fatal: BaseException | None = None
@@ -139,7 +175,8 @@ class Feeder:
     def _feed(self) -> None:
         threads, backoff, unexpected = self.threads, 0.5, 0
         while not threads.stop.is_set():
-            if not threads.slots.acquire(timeout=0.25):
+            limit = SLOTS_WITH_BACKLOG if self.intake.backlog else SLOTS
+            if not threads.slots.acquire(limit, timeout=0.25):
                 continue
             try:
                 taken = self._take()
@@ -187,27 +224,30 @@ class Feeder:
         return self.intake.take(block=not self.burst)  # what it starts, it holds (Presence.hold)
 
     def _check(self, taken: list[Taken]) -> None:
-        """Stage 3 for a batch: bad jobs go to the replier at once, good ones to the main thread."""
+        """Hands a batch to the main thread, which checks and runs it; taken as the GPU went away, it
+        goes back to the queue."""
         threads = self.threads
-        if threads.device_lost.is_set():  # taken as the GPU went away: back to the queue
+        if threads.device_lost.is_set():
             give_back(self.upkeep, [t.started for t in taken])
             self.presence.release([t.started for t in taken])
             threads.slots.release()
             return
-        pending: list[jobs.Pending] = []
-        failures: list[jobs.Failure] = []
-        for item in taken:
-            checked = jobs.check(item, self.signature, self.settings, self.batching, self.intake.batch_wait)
-            if isinstance(checked, jobs.Pending):
-                pending.append(checked)
-            else:
-                failures.append(checked)
-        if failures:
-            threads.replies.put(Outcome([f.started for f in failures], failures=failures))
-        if pending:
-            threads.batches.put(pending)
+        threads.batches.put(TakenBatch(taken, self.intake.batch_wait))
+
+
+def check_batch(
+    batch: TakenBatch, signature: ModelSignature, settings: Settings, batching: bool
+) -> tuple[list[jobs.Pending], list[jobs.Failure]]:
+    """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
+    pending: list[jobs.Pending] = []
+    failures: list[jobs.Failure] = []
+    for item in batch.taken:
+        checked = jobs.check(item, signature, settings, batching, batch.batch_wait)
+        if isinstance(checked, jobs.Pending):
+            pending.append(checked)
         else:
-            threads.slots.release()
+            failures.append(checked)
+    return pending, failures
 
 
 class Replier:

@@ -1,13 +1,16 @@
 -- Start the job ARGV[12] (already moved to the intermediate list by BLMOVE) and pop and start up
 -- to ARGV[10] more from the queue, in order: RQ's "started" records for each (execution, started
 -- registry, worker hash, job hash), as RQ's prepare_execution + prepare_job_execution write them.
+-- With ARGV[12] empty, pop up to ARGV[10] jobs from the queue and start them, no BLMOVE before: a
+-- worker whose last start left a backlog takes the next batch in one round trip.
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
 --       without a timeout (s), 10 how many more, 11 largest frame returned inline (bytes), 12 first
 --       id, 13 the fresh execution ids of every job this call may start, 32 hex digits each, joined.
--- Returns {started, skipped}: started = {id, execution, {field values}, oversized field or '',
+-- Returns {started, skipped, left}: started = {id, execution, {field values}, oversized field or '',
 -- heartbeat ttl, request frame size (-1: no request key, -2: not a string), the frame itself when
--- it is a batch's other job and no larger than ARGV[11], else false} per job;
--- skipped = {entry (cut to 200 bytes), reason} per queue entry not started.
+-- no larger than ARGV[11] and not ARGV[12]'s (read beside the call), else false} per job;
+-- skipped = {entry (cut to 200 bytes), reason} per queue entry not started; left = the queue's
+-- length after the call (its backlog).
 -- Work per call is linear in the jobs it takes; the intermediate list is searched from its tail,
 -- where BLMOVE put the first id.
 local queue_name, worker = ARGV[5], ARGV[6]
@@ -35,6 +38,8 @@ local longest, last_ttl, wip_entries, index_members = 0, 0, {}, {}
 local function skip(id, why)
   table.insert(skipped, {string.sub(id, 1, 200), why})
 end
+
+local first = ARGV[12]
 
 local function start(id, execution)
   if #id > 128 or not string.match(id, '^[%w_%-]+$') then return skip(id, 'id') end
@@ -89,21 +94,28 @@ local function start(id, execution)
   local request = ORTQ .. 'req:' .. id
   local size = redis.pcall('STRLEN', request)
   if type(size) == 'table' then size = -2 elseif size == 0 and redis.call('EXISTS', request) == 0 then size = -1 end
-  -- A small frame of a batch's other job comes back here, saving a round trip; the first job's is
-  -- read beside this call, and large ones by GETRANGE (a script's reply copies every byte).
+  -- A small frame comes back here, saving a round trip; ARGV[12]'s (first) is read beside this call,
+  -- and large ones by GETRANGE (a script's reply copies every byte).
   local frame = false
-  if #started > 0 and size >= 0 and size <= inline then frame = redis.call('GET', request) end
+  if (first == '' or #started > 0) and size >= 0 and size <= inline then frame = redis.call('GET', request) end
   table.insert(started, {id, execution, values, oversized, ttl, size, frame})
 end
 
 -- The first job was moved to the intermediate list by BLMOVE: off it again (from its tail, where
 -- BLMOVE put it). The others are popped here, in the same atomic call: no list in between.
-if kind(intermediate) == 'list' then redis.call('LREM', intermediate, -1, ARGV[12]) end
 local function execution_id(i) return string.sub(ARGV[13], 32 * i + 1, 32 * i + 32) end
-start(ARGV[12], execution_id(0))
-local more = tonumber(ARGV[10])
-if more > 0 and kind(queue) == 'list' then
-  for i, id in ipairs(redis.call('LPOP', queue, more) or {}) do start(id, execution_id(i)) end
+local popped = 0
+if first ~= '' then
+  if kind(intermediate) == 'list' then redis.call('LREM', intermediate, -1, first) end
+  start(first, execution_id(0))
+  popped = 1
+end
+local more, left = tonumber(ARGV[10]), 0
+if kind(queue) == 'list' then
+  if more > 0 then
+    for i, id in ipairs(redis.call('LPOP', queue, more) or {}) do start(id, execution_id(popped + i - 1)) end
+  end
+  left = redis.call('LLEN', queue)
 end
 if #wip_entries > 0 then
   each_chunk(redis.call, {'ZADD', wip}, wip_entries)
@@ -120,4 +132,4 @@ if #started > 0 and kind(wkey) == 'hash' then
   if not RQ3 then redis.call('HSET', wkey, 'current_job', started[1][1], 'current_job_working_time', '0') end
   redis.call('EXPIRE', wkey, longest)
 end
-return {started, skipped}
+return {started, skipped, left}

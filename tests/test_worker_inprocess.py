@@ -166,22 +166,35 @@ def push(connection: redis.Redis, model: str, job_id: str) -> None:
     connection.rpush(keys.queue_key(model), job_id)
 
 
+def push_many(connection: redis.Redis, model: str, count: int) -> list[str]:
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    for job_id in ids:
+        push(connection, model, job_id)
+    return ids
+
+
 def start(connection: redis.Redis, book: Book, more: int = 0) -> tuple[list[StartedJob], list[Skipped]]:
     raw = connection.lmove(book.queue.queue, book.queue.intermediate)
     assert isinstance(raw, bytes)
+    started, skipped, _ = start_script(connection, book, raw, more)
+    return started, skipped
+
+
+def start_script(
+    connection: redis.Redis, book: Book, first: bytes, more: int, inline: int = 0
+) -> tuple[list[StartedJob], list[Skipped], int]:
+    """start.lua for ``first`` (b"": none, it pops) and ``more``: what it started, skipped, and left queued."""
     with connection.pipeline(transaction=False) as pipe:
-        moment = book.queue_start(pipe, raw, more)
+        moment = book.queue_start(pipe, first, more, inline)
         [reply] = pipe.execute()
     started, skipped = book.parse_start(reply, moment)
-    return started, skipped
+    return started, skipped, Book.backlog(reply)
 
 
 def test_start_takes_a_batch_in_order_and_reports_frame_sizes(
     connection: redis.Redis, book: Book, model_name: str
 ) -> None:
-    ids = [str(uuid.uuid4()) for _ in range(3)]
-    for job_id in ids:
-        push(connection, model_name, job_id)
+    ids = push_many(connection, model_name, 3)
     started, skipped = start(connection, book, more=5)
     assert [s.job_id for s in started] == ids and skipped == []
     assert all(s.frame_size == len(wire.encode_request(X)) for s in started)
@@ -352,24 +365,17 @@ def test_due_retries_go_back_once(connection: redis.Redis, book: Book, model_nam
 def test_start_without_a_first_id_pops_and_starts_the_batch_itself(
     connection: redis.Redis, book: Book, model_name: str
 ) -> None:
-    ids = [str(uuid.uuid4()) for _ in range(5)]
-    for job_id in ids:
-        push(connection, model_name, job_id)
+    ids = push_many(connection, model_name, 5)
     connection.rpush(book.queue.intermediate, "someone-elses")  # not this call's: left alone
-    with connection.pipeline(transaction=False) as pipe:
-        moment = book.queue_start(pipe, b"", 3, inline=65536)
-        [reply] = pipe.execute()
-    started, skipped = book.parse_start(reply, moment)
-    assert [s.job_id for s in started] == ids[:3] and skipped == [] and Book.backlog(reply) == 2
+    started, skipped, left = start_script(connection, book, b"", 3, inline=65536)
+    assert [s.job_id for s in started] == ids[:3] and skipped == [] and left == 2
     assert all(s.frame == wire.encode_request(X) for s in started)  # every frame inline, none read beside
     assert len({s.execution_id for s in started}) == 3
     assert connection.lrange(book.queue.intermediate, 0, -1) == [b"someone-elses"]
     assert connection.zcard(book.queue.started) == 3
     assert all(connection.hget(keys.job_key(i), "status") == b"started" for i in ids[:3])
-    with connection.pipeline(transaction=False) as pipe:
-        moment = book.queue_start(pipe, b"", 3, inline=65536)
-        [reply] = pipe.execute()
-    assert [s.job_id for s in book.parse_start(reply, moment)[0]] == ids[3:] and Book.backlog(reply) == 0
+    started, _, left = start_script(connection, book, b"", 3, inline=65536)
+    assert [s.job_id for s in started] == ids[3:] and left == 0
 
 
 def test_a_take_after_a_start_that_left_a_backlog_needs_no_blmove(
@@ -377,9 +383,7 @@ def test_a_take_after_a_start_that_left_a_backlog_needs_no_blmove(
 ) -> None:
     from ortq.worker.intake import Intake
 
-    ids = [str(uuid.uuid4()) for _ in range(20)]
-    for job_id in ids:
-        push(connection, model_name, job_id)
+    ids = push_many(connection, model_name, 20)
     intake = Intake(connection, book, settings, max_batch=8, max_wait=0.0)
     connection.config_resetstat()
     batches = [intake.take(block=False) for _ in range(4)]

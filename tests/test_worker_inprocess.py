@@ -424,3 +424,25 @@ def test_slots_allow_a_third_batch_only_up_to_the_limit_asked() -> None:
     assert not slots.acquire(3, timeout=0.01)
     slots.release()
     assert not slots.acquire(2, timeout=0.01) and slots.acquire(3, timeout=0.01)
+
+
+def test_jobs_a_lost_backlog_start_took_are_taken_back_by_the_same_worker(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis
+) -> None:
+    # A take under a backlog is one start script, no BLMOVE first: if its reply is lost, the jobs
+    # are started in this worker's name and held by nobody. The worker takes them back itself.
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        inputs = [{"x": np.random.default_rng(i).random((1, 4), np.float32)} for i in range(4)]
+        handles = producer.submit_many(model_name, inputs)
+        started, _, _ = start_script(connection, Book(connection, name, keys.queue_name(model_name)), b"", 8)
+        assert len(started) == 4 and connection.llen(keys.queue_key(model_name)) == 0  # the reply "lost"
+        running = Serving(make_worker(tiny_path, model_name, settings, worker_name=name))
+        try:
+            outputs = producer.results(handles, timeout=30)
+        finally:
+            running.stop()
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    for given, got in zip(inputs, outputs, strict=True):
+        np.testing.assert_allclose(got["y"], session.run(None, given)[0], rtol=1e-6)
+    assert all(connection.hget(keys.job_key(h.id), "ortq_recoveries") == b"1" for h in handles)

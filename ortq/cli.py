@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
 import redis
 
 from ortq.cliopts import redis_url_option, shards_option
-from ortq.errors import EXIT_JOB_FAILED, BrokerUnavailable, ConfigurationError, OrtqError, ResultTimeout, exit_status
+from ortq.errors import BrokerUnavailable, OrtqError, exit_status
 from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
 
 _REDIS_URL = redis_url_option()
@@ -275,146 +274,6 @@ def adapters(as_json: bool, ep_library: Path | None, ep_name: str | None) -> Non
         click.echo(f"note: {note}")
 
 
-def _read_inputs(specs: tuple[str, ...]) -> dict[str, np.ndarray]:
-    from ortq.producer.bulk import read_inputs
-
-    try:
-        return read_inputs(specs)
-    except ConfigurationError as exc:
-        raise click.BadParameter(str(exc), param_hint="--input") from exc
-
-
-@main.command(
-    epilog="""Examples:
-
-\b
-  ortq infer digits --input pixels=digit.npy
-  ortq infer resnet --input image=cat.npy --output out.npz --timeout 10
-  ortq infer detector --input inputs.npz                   # every array of the archive, by name
-  ortq infer resnet --input image=cat64.npy --cast         # float64 data into a float32 model
-  ortq infer resnet --input-dir images/ --output-dir out/  # bulk: one job per file
-  ortq infer conv --input x=big.npy --shards conv=redis://redis-big:6379/0   # conv's queue on its own Redis
-
-Exit status 0, 1 (Redis unreachable or --timeout passed), 2 (bad input or option) or 3 (the
-worker failed the job; with --input-dir: any file failed).
-"""
-)
-@click.argument("model_name")
-@click.option(
-    "--input",
-    "input_specs",
-    multiple=True,
-    metavar="NAME=FILE.npy|FILE.npz",
-    help="Inputs from numpy files (repeatable): NAME=FILE.npy is one named input; FILE.npz gives every array "
-    "of the archive as the input of its name; NAME=FILE.npz the archive's array NAME (or its only one). "
-    "Nothing is unpickled.",
-)
-@click.option(
-    "--input-dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="Bulk mode: one job per .npy (the model's one input) or .npz (named inputs) file in this folder.",
-)
-@click.option(
-    "--output-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Bulk mode: write each file's outputs to OUTPUT_DIR/<name>.npz.",
-)
-@click.option("--input-name", default=None, help="Bulk mode: the input a .npy file holds (default: the only one).")
-@click.option(
-    "--cast",
-    is_flag=True,
-    help="Convert each input to the dtype of the model's published signature (float64 to float32, int64 to "
-    "int32, ints to floats; never floats to ints, nor values that overflow).",
-)
-@click.option(
-    "--output",
-    "output_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the outputs to this .npz file (default: print a summary).",
-)
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the result.")
-@_REDIS_URL
-@_SHARDS
-def infer(
-    model_name: str,
-    input_specs: tuple[str, ...],
-    input_dir: Path | None,
-    output_dir: Path | None,
-    input_name: str | None,
-    cast: bool,
-    output_path: Path | None,
-    timeout: float,
-    redis_url: str | None,
-    shards: str | None,
-) -> None:
-    """Send one job to MODEL_NAME's queue and wait for its outputs (or, with --input-dir, one job
-    per file, with a progress bar and a summary)."""
-    from ortq.producer import Producer
-    from ortq.producer.bulk import cast_inputs, check_castable, signature_for_cast
-
-    if (input_dir is None) == (not input_specs):
-        raise click.UsageError(
-            "give --input NAME=FILE.npy or --input FILE.npz (one job) or --input-dir DIR (bulk), one of the two"
-        )
-    settings = _sharded_settings(redis_url, shards)
-    if input_dir is not None:
-        _infer_folder(model_name, input_dir, output_dir, input_name, cast, timeout, settings)
-        return
-    inputs = _read_inputs(input_specs)
-    with Producer(settings=settings) as producer:
-        if cast:
-            inputs = cast_inputs(inputs, signature_for_cast(producer, model_name))
-        elif (signature := producer.signature(model_name)) is not None:
-            check_castable(inputs, signature)
-        try:
-            outputs = producer.infer(model_name, inputs, timeout=timeout)
-        except ResultTimeout as exc:
-            hint = f"is a worker serving {model_name!r}? see ortq info; or raise --timeout"
-            raise ResultTimeout(f"{exc} ({hint})") from exc
-    if output_path is not None:
-        np.savez(output_path, **outputs)  # type: ignore[arg-type]
-        click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
-    for name, value in outputs.items():
-        click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
-
-
-def _infer_folder(
-    model: str,
-    folder: Path,
-    output_dir: Path | None,
-    input_name: str | None,
-    cast: bool,
-    timeout: float,
-    settings: Settings,
-) -> None:
-    from ortq.producer import Producer
-    from ortq.producer.bulk import infer_files, input_files, signature_for_cast
-
-    files = input_files(folder)
-    with Producer(settings=settings) as producer:
-        signature = signature_for_cast(producer, model) if cast else None
-        with click.progressbar(length=len(files), label=model, file=sys.stderr) as bar:
-            summary = infer_files(
-                producer,
-                model,
-                files,
-                output_dir,
-                input_name=input_name,
-                cast=signature,
-                timeout=timeout,
-                progress=bar.update,
-            )
-    click.echo(summary.describe())
-    for name, reason in summary.failures[:20]:
-        click.echo(f"  failed {name}: {reason}")
-    if len(summary.failures) > 20:
-        click.echo(f"  ... and {len(summary.failures) - 20} more")
-    sys.exit(EXIT_JOB_FAILED if summary.failures else 0)
-
-
 @main.command(
     epilog="Examples:\n\n\b\n  ortq info\n  ortq info --json | jq '.models[].workers'\n"
     "  ortq info --shards conv=redis://redis-big:6379/0   # every Redis of the map, a REDIS column"
@@ -496,9 +355,11 @@ def demo(redis_url: str | None, workers: int) -> None:
 
 from ortq.dashboard.cli import dashboard  # noqa: E402  (commands of their own modules)
 from ortq.pool.cli import pool  # noqa: E402
+from ortq.producer.cli import infer  # noqa: E402
 
 main.add_command(dashboard)
 main.add_command(pool)
+main.add_command(infer)
 
 
 def run() -> None:

@@ -1,0 +1,147 @@
+"""The ``ortq infer`` command: one job from numpy files, or one job per file of a folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ortq.cliopts import redis_url_option, shards_option
+from ortq.errors import EXIT_JOB_FAILED, ConfigurationError, ResultTimeout
+from ortq.producer.bulk import cast_inputs, check_castable, infer_files, input_files, read_inputs, signature_for_cast
+from ortq.producer.producer import Producer
+from ortq.settings import Settings
+
+
+def _read_inputs(specs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    try:
+        return read_inputs(specs)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input") from exc
+
+
+@click.command(
+    epilog="""Examples:
+
+\b
+  ortq infer digits --input pixels=digit.npy
+  ortq infer resnet --input image=cat.npy --output out.npz --timeout 10
+  ortq infer detector --input inputs.npz                   # every array of the archive, by name
+  ortq infer resnet --input image=cat64.npy --cast         # float64 data into a float32 model
+  ortq infer resnet --input-dir images/ --output-dir out/  # bulk: one job per file
+  ortq infer conv --input x=big.npy --shards conv=redis://redis-big:6379/0   # conv's queue on its own Redis
+
+Exit status 0, 1 (Redis unreachable or --timeout passed), 2 (bad input or option) or 3 (the
+worker failed the job; with --input-dir: any file failed).
+"""
+)
+@click.argument("model_name")
+@click.option(
+    "--input",
+    "input_specs",
+    multiple=True,
+    metavar="NAME=FILE.npy|FILE.npz",
+    help="Inputs from numpy files (repeatable): NAME=FILE.npy is one named input; FILE.npz gives every array "
+    "of the archive as the input of its name; NAME=FILE.npz the archive's array NAME (or its only one). "
+    "Nothing is unpickled.",
+)
+@click.option(
+    "--input-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Bulk mode: one job per .npy (the model's one input) or .npz (named inputs) file in this folder.",
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Bulk mode: write each file's outputs to OUTPUT_DIR/<name>.npz.",
+)
+@click.option("--input-name", default=None, help="Bulk mode: the input a .npy file holds (default: the only one).")
+@click.option(
+    "--cast",
+    is_flag=True,
+    help="Convert each input to the dtype of the model's published signature (float64 to float32, int64 to "
+    "int32, ints to floats; never floats to ints, nor values that overflow).",
+)
+@click.option(
+    "--output",
+    "output_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the outputs to this .npz file (default: print a summary).",
+)
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the result.")
+@redis_url_option()
+@shards_option()
+def infer(
+    model_name: str,
+    input_specs: tuple[str, ...],
+    input_dir: Path | None,
+    output_dir: Path | None,
+    input_name: str | None,
+    cast: bool,
+    output_path: Path | None,
+    timeout: float,
+    redis_url: str | None,
+    shards: str | None,
+) -> None:
+    """Send one job to MODEL_NAME's queue and wait for its outputs (or, with --input-dir, one job
+    per file, with a progress bar and a summary)."""
+    if (input_dir is None) == (not input_specs):
+        raise click.UsageError(
+            "give --input NAME=FILE.npy or --input FILE.npz (one job) or --input-dir DIR (bulk), one of the two"
+        )
+    settings = Settings.from_env(redis_url=redis_url, redis_shards=shards)  # --shards, else $ORTQ_REDIS_SHARDS
+    if input_dir is not None:
+        _infer_folder(model_name, input_dir, output_dir, input_name, cast, timeout, settings)
+        return
+    inputs = _read_inputs(input_specs)
+    with Producer(settings=settings) as producer:
+        if cast:
+            inputs = cast_inputs(inputs, signature_for_cast(producer, model_name))
+        elif (signature := producer.signature(model_name)) is not None:
+            check_castable(inputs, signature)
+        try:
+            outputs = producer.infer(model_name, inputs, timeout=timeout)
+        except ResultTimeout as exc:
+            hint = f"is a worker serving {model_name!r}? see ortq info; or raise --timeout"
+            raise ResultTimeout(f"{exc} ({hint})") from exc
+    if output_path is not None:
+        np.savez(output_path, **outputs)  # type: ignore[arg-type]
+        click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
+    for name, value in outputs.items():
+        click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
+
+
+def _infer_folder(
+    model: str,
+    folder: Path,
+    output_dir: Path | None,
+    input_name: str | None,
+    cast: bool,
+    timeout: float,
+    settings: Settings,
+) -> None:
+    files = input_files(folder)
+    with Producer(settings=settings) as producer:
+        signature = signature_for_cast(producer, model) if cast else None
+        with click.progressbar(length=len(files), label=model, file=sys.stderr) as bar:
+            summary = infer_files(
+                producer,
+                model,
+                files,
+                output_dir,
+                input_name=input_name,
+                cast=signature,
+                timeout=timeout,
+                progress=bar.update,
+            )
+    click.echo(summary.describe())
+    for name, reason in summary.failures[:20]:
+        click.echo(f"  failed {name}: {reason}")
+    if len(summary.failures) > 20:
+        click.echo(f"  ... and {len(summary.failures) - 20} more")
+    sys.exit(EXIT_JOB_FAILED if summary.failures else 0)

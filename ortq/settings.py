@@ -31,6 +31,19 @@ _SCHEMES = ("redis", "rediss", "unix")
 #: ortq loop that rides out an outage catches. A refused login (AuthenticationError) is one too.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
+#: Frames at least this large go to redis-py as memoryviews (see frame_argument).
+LARGE_FRAME = 64 * 1024
+
+
+def frame_argument(frame: bytes) -> bytes | memoryview:
+    """``frame`` as a command argument: with hiredis, redis-py packs a command's arguments into one
+    new buffer, copying every frame once more before the socket does (0.44 ms for a finish call
+    with eight 600 KB frames on the CI VM); a command with a memoryview among its arguments is
+    packed in chunks instead, each large one sent as it is (13 us). Small frames stay bytes:
+    hiredis packs those faster than redis-py's Python packer would."""
+    return memoryview(frame) if len(frame) >= LARGE_FRAME else frame
+
+
 #: TLS options redis-py takes as ``rediss://`` URL query parameters (e.g. ``?ssl_ca_certs=/etc/ortq/ca.crt``).
 _TLS_URL_OPTIONS = frozenset(
     p for p in inspect.signature(redis.SSLConnection.__init__).parameters if p.startswith("ssl_")

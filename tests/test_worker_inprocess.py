@@ -5,6 +5,7 @@ their workers. Quicker than a worker process, and each stage can be looked at on
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -446,3 +447,28 @@ def test_jobs_a_lost_backlog_start_took_are_taken_back_by_the_same_worker(
     for given, got in zip(inputs, outputs, strict=True):
         np.testing.assert_allclose(got["y"], session.run(None, given)[0], rtol=1e-6)
     assert all(connection.hget(keys.job_key(h.id), "ortq_recoveries") == b"1" for h in handles)
+
+
+def test_frames_past_large_frame_go_through_both_producers_and_back(
+    serving: Serving, producer: Producer, model_name: str, tiny_path: Path, settings: Settings
+) -> None:
+    # Requests and responses of 5,000 x 4 floats (80 KB) are sent as memoryviews (frame_argument):
+    # the producers' SET and the worker's finish call then pack them in chunks, not copied.
+    from ortq import AsyncProducer
+    from ortq.settings import LARGE_FRAME, frame_argument
+
+    inputs = [{"x": np.random.default_rng(i).random((5000, 4), np.float32)} for i in range(3)]
+    assert all(isinstance(frame_argument(wire.encode_request(i)), memoryview) for i in inputs)
+    assert isinstance(frame_argument(b"small"), bytes) and len(wire.encode_request(X)) < LARGE_FRAME
+    got = [producer.infer(model_name, inputs[0], timeout=30)]
+    got += producer.results(producer.submit_many(model_name, inputs[1:]), timeout=30)
+
+    async def from_asyncio() -> dict[str, np.ndarray]:
+        async with AsyncProducer(settings=settings) as aio:
+            return await aio.infer(model_name, inputs[2], timeout=30)
+
+    got.append(asyncio.run(from_asyncio()))
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    for given, outputs in zip([*inputs, inputs[2]], got, strict=True):
+        assert outputs["y"].nbytes >= LARGE_FRAME
+        np.testing.assert_allclose(outputs["y"], session.run(None, given)[0], rtol=1e-6)

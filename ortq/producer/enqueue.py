@@ -22,6 +22,7 @@ from ortq.errors import CorruptRecord, InferenceFailed, JobNotFound, OrtqError, 
 from ortq.producer import faults, priority
 from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
+from ortq.settings import frame_argument
 
 #: The longest ttl, job_timeout or retry interval a job hash holds: a year, the most a worker takes
 #: from one (``ortq.rqjob.MAX_SECONDS``; a test keeps the two equal).
@@ -113,7 +114,7 @@ def add_enqueue(
     """
     job_id = job_id or str(uuid4())
     wait = options.wait_ttl
-    pipe.set(keys.request_key(job_id), frame, ex=wait)
+    pipe.set(keys.request_key(job_id), frame_argument(frame), ex=wait)
     pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, layout.utcformat(layout.utcnow())))
     pipe.expire(keys.job_key(job_id), wait + options.failure_ttl)
     pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))

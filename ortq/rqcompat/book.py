@@ -33,6 +33,7 @@ from ortq import keys
 from ortq.rqcompat import layout
 from ortq.rqcompat.layout import QueueKeys, is_job_id, utcformat, utcnow
 from ortq.rqjob import parse_rq_time
+from ortq.settings import frame_argument
 
 log = logging.getLogger("ortq.worker")
 
@@ -210,7 +211,7 @@ class Book:
             small.append([started.job_id, started.execution_id, job.ttl, texts[0], value, texts[1]])
         head = [self.queue.name, self.worker_name, state, len(jobs), utcformat(ended), repr(ended_at)]
         packed = msgpack.packb(small, use_bin_type=False)
-        return int(self._call("finish", [*head, packed, *(job.frame for job in jobs)]))
+        return int(self._call("finish", [*head, packed, *(frame_argument(job.frame) for job in jobs)]))
 
     def fail(
         self, started: StartedJob, error: bytes, ttl: int, reason: str, retry: Retry | None, state: str = "idle"

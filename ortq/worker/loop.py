@@ -37,7 +37,7 @@ from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
-from ortq.worker.overlap import END, Feeder, Outcome, Replier, Threads, check_batch, give_back, survive
+from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, check_batch, give_back, survive
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.upkeep import Upkeep
@@ -82,7 +82,6 @@ class Worker:
             settings,
             Book(settings.connect(check=False), name, self.queue_name),
             self.presence,
-            model.signature,
             max_batch,
             max_wait_ms / 1000,
             burst,
@@ -206,10 +205,9 @@ class Worker:
             if batch is END:
                 self._fed_out = True
                 return
-            pending, failures = check_batch(batch, self.model.signature, self.settings, self.max_batch > 1)
-            outcome = Outcome([t.started for t in batch.taken], failures=failures)
+            outcome = Outcome([t.started for t in batch.taken])
             try:
-                self._run(pending, outcome)
+                self._run(batch, outcome)
                 unexpected = 0
             except DeviceLost:
                 # From now on the feeder gives back what it takes; this batch's unanswered jobs stay
@@ -218,7 +216,7 @@ class Worker:
                 self.stop_requested.set()
                 answered = [a.started for a in outcome.finished] + [f.started for f in outcome.failures]
                 ids = {job.execution_id for job in answered}
-                self._unanswered = [p.started for p in pending if p.started.execution_id not in ids]
+                self._unanswered = [t.started for t in batch.taken if t.started.execution_id not in ids]
                 outcome.held = answered
                 raise
             except Exception as exc:
@@ -233,8 +231,9 @@ class Worker:
                 else:
                     self.threads.replies.put(outcome)
 
-    def _run(self, pending: list[jobs.Pending], outcome: Outcome) -> None:
-        """Stages 4-6 for a checked batch: group, run, split (and encode each job's answer)."""
+    def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
+        """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""
+        pending, outcome.failures = check_batch(batch, self.model.signature, self.settings, self.max_batch > 1)
         for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
             self._run_group(members, outcome)
 

@@ -6,7 +6,7 @@ feeder then spends its time in Redis round trips, and its start script is on its
 main thread still works on the batch before (under the GIL, one thread computes at a time).
 
 At most one batch waits beside the one running, and a second only while the queue has a backlog
-(the last take found a full batch; ``Slots``): a worker takes no more jobs than it is about to run,
+(the last start left jobs on it; ``Slots``): a worker takes no more jobs than it is about to run,
 so that its neighbours on the queue are not starved. Each thread has its own Redis connection. A
 job is held (its records kept fresh by the heartbeat, see ortq.worker.presence) from its start
 until its answer is written; the scripts are fenced, so a job taken back from this worker meanwhile
@@ -148,7 +148,6 @@ class Feeder:
         settings: Settings,
         book: Book,
         presence: Presence,
-        signature: ModelSignature,
         max_batch: int,
         max_wait: float,
         burst: bool,
@@ -157,10 +156,8 @@ class Feeder:
         self.connection = book.connection
         self.intake = Intake(self.connection, book, settings, max_batch, max_wait, presence.hold, presence.starting)
         self.upkeep = Upkeep(book, settings)
-        self.signature = signature
         self.settings = settings
         self.presence = presence
-        self.batching = max_batch > 1
         self.burst = burst
         self.thread = threading.Thread(target=self._run, name="ortq-feeder", daemon=True)
 
@@ -207,7 +204,7 @@ class Feeder:
                 threads.stop.wait(0.01)  # what is in hand may still put a retry back on the queue
                 continue
             if taken:
-                self._check(taken)
+                self._hand_over(taken)
             else:
                 threads.slots.release()
 
@@ -223,7 +220,7 @@ class Feeder:
             self.presence.set_state(self.connection, "idle")  # start.lua writes "busy"
         return self.intake.take(block=not self.burst)  # what it starts, it holds (Presence.hold)
 
-    def _check(self, taken: list[Taken]) -> None:
+    def _hand_over(self, taken: list[Taken]) -> None:
         """Hands a batch to the main thread, which checks and runs it; taken as the GPU went away, it
         goes back to the queue."""
         threads = self.threads

@@ -35,13 +35,27 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 LARGE_FRAME = 64 * 1024
 
 
+def _packs_memoryviews_whole() -> bool:
+    """Whether this redis-py sends a memoryview argument as it is. Its Python packer always has; its
+    hiredis packer (used when hiredis is installed) does from redis-py 8.2 (it hands a command with
+    a memoryview to the Python packer), and before that copied each memoryview into bytes first."""
+    from redis.connection import HiredisRespSerializer
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return not HIREDIS_AVAILABLE or "fallback" in inspect.signature(HiredisRespSerializer.__init__).parameters
+
+
+_MEMORYVIEWS_WHOLE = _packs_memoryviews_whole()
+
+
 def frame_argument(frame: bytes) -> bytes | memoryview:
     """``frame`` as a command argument: with hiredis, redis-py packs a command's arguments into one
     new buffer, copying every frame once more before the socket does (0.44 ms for a finish call
-    with eight 600 KB frames on the CI VM); a command with a memoryview among its arguments is
-    packed in chunks instead, each large one sent as it is (13 us). Small frames stay bytes:
-    hiredis packs those faster than redis-py's Python packer would."""
-    return memoryview(frame) if len(frame) >= LARGE_FRAME else frame
+    with eight 600 KB frames on the CI VM); from redis-py 8.2 a command with a memoryview among its
+    arguments is packed in chunks instead, each large one sent as it is (13 us). Small frames stay
+    bytes (hiredis packs those faster than the Python packer), and so does every frame where
+    redis-py would copy a memoryview into bytes anyway (before 8.2: a copy more, not one fewer)."""
+    return memoryview(frame) if _MEMORYVIEWS_WHOLE and len(frame) >= LARGE_FRAME else frame
 
 
 #: TLS options redis-py takes as ``rediss://`` URL query parameters (e.g. ``?ssl_ca_certs=/etc/ortq/ca.crt``).

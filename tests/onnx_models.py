@@ -136,6 +136,27 @@ def conv_model(path: Path) -> Path:
     )
 
 
+def image_model(path: Path) -> Path:
+    """Input ``image`` float32 ``["batch", 3, 224, 224]`` -> output ``filtered`` of the same shape: one
+    3x3 convolution (3 -> 3 channels, padded). Its answers are as large as its requests (602 KB a
+    frame), for measuring large tensors both ways (bench/gpu/throughput.py's ``image``)."""
+    rng = np.random.default_rng(SEED)
+    weights = {
+        "w": (rng.standard_normal((3, 3, 3, 3)) / np.sqrt(27)).astype(np.float32),
+        "b": np.zeros(3, dtype=np.float32),
+    }
+    node = helper.make_node("Conv", ["image", "w", "b"], ["filtered"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    shape: list[str | int] = ["batch", 3, 224, 224]
+    return _save(
+        path,
+        "image",
+        nodes=[node],
+        inputs=[helper.make_tensor_value_info("image", TensorProto.FLOAT, shape)],
+        outputs=[helper.make_tensor_value_info("filtered", TensorProto.FLOAT, shape)],
+        initializers=weights,
+    )
+
+
 #: multi_dtype_model's inputs: name -> (ONNX element type, shape). Output names add ``_out``.
 MULTI_DTYPE_INPUTS: dict[str, tuple[int, list[str | int]]] = {
     "f16": (TensorProto.FLOAT16, ["n"]),

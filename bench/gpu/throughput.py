@@ -2,9 +2,11 @@
 
     python -m bench.gpu.throughput --models DIR [--provider cuda] [--workers 1,2,4] [--out FILE.json]
 
-DIR holds digits.onnx and conv.onnx (tests/onnx_models.py). Three workloads: ``digits`` (one
-64-float row a job), ``digits32`` (32 rows a job: a producer that batches itself) and ``conv`` (one
-3x224x224 image a job, about 600 KB each way). For each, measured here in one run:
+DIR holds digits.onnx, conv.onnx and image.onnx (tests/onnx_models.py). Four workloads: ``digits``
+(one 64-float row a job), ``digits32`` (32 rows a job: a producer that batches itself), ``conv``
+(one 3x224x224 image a job: a 602 KB request, a 136-byte answer of ten logits) and ``image`` (the
+same image in, a filtered image of the same size out: 602 KB each way). For each, measured here
+in one run:
 
 1. **direct**: ``session.run`` on the provider at the batch the workers run (rows/s);
 2. **floor**: what this Redis carries for the same traffic and the same number of consumers, with
@@ -63,6 +65,7 @@ WORKLOADS = [
     Workload("digits", "digits", "pixels", (64,), 1, 32, 30_000),
     Workload("digits32", "digits", "pixels", (64,), 32, 32, 3_000),
     Workload("conv", "conv", "image", (3, 224, 224), 1, 8, 2_000),
+    Workload("image", "image", "image", (3, 224, 224), 1, 8, 2_000),  # 602 KB answers too
 ]
 
 

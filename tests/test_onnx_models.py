@@ -66,6 +66,11 @@ def _interface(args: list[ort.NodeArg]) -> Interface:
             [("x", "tensor(float)", [1, 256])],
             [("y", "tensor(float)", [1, 256])],
         ),
+        (
+            onnx_models.image_model,
+            [("image", "tensor(float)", ["batch", 3, 224, 224])],
+            [("filtered", "tensor(float)", ["batch", 3, 224, 224])],
+        ),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -84,7 +89,7 @@ def test_builder_interface(
 
 
 def test_builders_are_deterministic(tmp_path: Path) -> None:
-    for builder in (onnx_models.conv_model, onnx_models.slow_model):
+    for builder in (onnx_models.conv_model, onnx_models.slow_model, onnx_models.image_model):
         first, second = builder(tmp_path / "a.onnx"), builder(tmp_path / "b.onnx")
         assert first.read_bytes() == second.read_bytes()
 
@@ -137,6 +142,16 @@ def test_conv_model_runs(tmp_path: Path) -> None:
     (batched,) = session.run(["logits"], {"image": image})
     assert batched.shape == (2, 10)
     np.testing.assert_allclose(batched[:1], logits, rtol=1e-4, atol=1e-5)
+
+
+def test_image_model_matches_numpy(tmp_path: Path) -> None:
+    path = onnx_models.image_model(tmp_path / "image.onnx")
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    image = np.random.default_rng(1).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    (filtered,) = _session(path).run(["filtered"], {"image": image})
+    windows = np.lib.stride_tricks.sliding_window_view(np.pad(image, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3), (2, 3))
+    want = np.einsum("bchwij,ocij->bohw", windows, weights["w"]) + weights["b"][:, None, None]
+    np.testing.assert_allclose(filtered, want, rtol=1e-4, atol=1e-4)
 
 
 def test_slow_model_matches_numpy(tmp_path: Path) -> None:

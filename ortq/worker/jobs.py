@@ -89,6 +89,21 @@ def check(
     return Pending(job, started, request.inputs, timings, rows, nonce)
 
 
+def check_all(
+    taken: list[Taken], signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
+) -> tuple[list[Pending], list[Failure]]:
+    """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
+    pending: list[Pending] = []
+    failures: list[Failure] = []
+    for item in taken:
+        checked = check(item, signature, settings, batching, batch_wait)
+        if isinstance(checked, Pending):
+            pending.append(checked)
+        else:
+            failures.append(checked)
+    return pending, failures
+
+
 def failure(
     started: StartedJob,
     job: JobRecord,

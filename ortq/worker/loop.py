@@ -37,7 +37,7 @@ from ortq.worker.batch import batch_key, concat, group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
-from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, check_batch, give_back, survive
+from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, give_back, survive
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.upkeep import Upkeep
@@ -233,7 +233,10 @@ class Worker:
 
     def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
         """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""
-        pending, outcome.failures = check_batch(batch, self.model.signature, self.settings, self.max_batch > 1)
+        batching = self.max_batch > 1
+        pending, outcome.failures = jobs.check_all(
+            batch.taken, self.model.signature, self.settings, batching, batch.batch_wait
+        )
         for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
             self._run_group(members, outcome)
 

@@ -26,7 +26,6 @@ from ortq.metrics import WorkerMetrics
 from ortq.producer.faults import is_refused
 from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings
-from ortq.signature import ModelSignature
 from ortq.worker import jobs
 from ortq.worker.intake import Intake, Taken
 from ortq.worker.presence import Presence
@@ -54,7 +53,7 @@ END = None
 
 @dataclass(slots=True)
 class TakenBatch:
-    """Jobs one take started, with their frames, for the main thread to check and run."""
+    """Jobs one take started, with their frames, for the main thread to check (jobs.check_all) and run."""
 
     taken: list[Taken]
     batch_wait: float  # seconds the take waited for more jobs after its first (a timing of each job)
@@ -230,21 +229,6 @@ class Feeder:
             threads.slots.release()
             return
         threads.batches.put(TakenBatch(taken, self.intake.batch_wait))
-
-
-def check_batch(
-    batch: TakenBatch, signature: ModelSignature, settings: Settings, batching: bool
-) -> tuple[list[jobs.Pending], list[jobs.Failure]]:
-    """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
-    pending: list[jobs.Pending] = []
-    failures: list[jobs.Failure] = []
-    for item in batch.taken:
-        checked = jobs.check(item, signature, settings, batching, batch.batch_wait)
-        if isinstance(checked, jobs.Pending):
-            pending.append(checked)
-        else:
-            failures.append(checked)
-    return pending, failures
 
 
 class Replier:

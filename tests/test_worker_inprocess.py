@@ -185,9 +185,7 @@ def start_script(
     connection: redis.Redis, book: Book, first: bytes, more: int, inline: int = 0
 ) -> tuple[list[StartedJob], list[Skipped], int]:
     """start.lua for ``first`` (b"": none, it pops) and ``more``: what it started, skipped, and left queued."""
-    with connection.pipeline(transaction=False) as pipe:
-        moment = book.queue_start(pipe, first, more, inline)
-        [reply] = pipe.execute()
+    reply, moment, _ = book.start(first, more, inline)
     started, skipped = book.parse_start(reply, moment)
     return started, skipped, Book.backlog(reply)
 
@@ -397,6 +395,28 @@ def test_a_take_after_a_start_that_left_a_backlog_needs_no_blmove(
     assert [t.started.job_id for t in taken] == ids
     assert all(t.frame == wire.encode_request(X) for t in taken)
     assert connection.zcard(book.queue.started) == 20 and connection.llen(book.queue.intermediate) == 0
+
+
+def test_a_take_is_one_round_trip_and_reloads_the_scripts_redis_lost(
+    connection: redis.Redis, book: Book, model_name: str, settings: Settings
+) -> None:
+    from ortq.worker.intake import Intake
+
+    ids = push_many(connection, model_name, 24)
+    intake = Intake(connection, book, settings, max_batch=8, max_wait=0.0)
+    connection.script_flush()  # as a Redis restart does
+    connection.config_resetstat()
+    first = intake.take(block=False)
+    connection.script_flush()
+    batches = [first, intake.take(block=False), intake.take(block=False)]
+    stats = connection.info("commandstats")
+    # redis-py's pipeline would ask SCRIPT EXISTS before each execute: a round trip per take.
+    assert "cmdstat_script|exists" not in stats
+    assert stats["cmdstat_script|load"]["calls"] == 2  # after each flush, by the take that met it
+    taken = [t for batch in batches for t in batch or []]
+    assert [t.started.job_id for t in taken] == ids
+    assert all(t.frame == wire.encode_request(X) for t in taken)
+    assert connection.zcard(book.queue.started) == 24
 
 
 def test_a_drained_backlog_is_answered_with_outputs_equal_to_a_direct_run(

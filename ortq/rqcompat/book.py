@@ -19,7 +19,7 @@ import logging
 import os
 import zlib
 from base64 import b64encode
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache
@@ -153,17 +153,40 @@ class Book:
 
     # ------------------------------------------------------------------ one job's path
 
-    def queue_start(self, pipe: Any, first_id: bytes, more: int, inline: int = 0) -> datetime:
-        """Queue on ``pipe`` the start of ``first_id`` (already in the intermediate list; b"" for
-        none) and of up to ``more`` jobs popped after it; ``parse_start`` reads the reply. The
-        request frames of those others come back with it when at most ``inline`` bytes."""
-        moment = utcnow()
-        # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the system's
-        # random source for all of them, sent as one argument (start.lua cuts it).
-        executions = os.urandom(16 * (bool(first_id) + more)).hex()
-        args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL, more]
-        self._call("start", [*args, inline, first_id, executions], client=pipe)
-        return moment
+    def start(
+        self, first_id: bytes, more: int, inline: int = 0, beside: Callable[[Any], object] = lambda pipe: None
+    ) -> tuple[Any, datetime, list[Any]]:
+        """Start ``first_id`` (already in the intermediate list; b"" for none) and up to ``more``
+        jobs popped after it, in one round trip with what ``beside`` queues on the same pipeline.
+        Returns the script's reply (for ``parse_start``; an error as an exception instance), the
+        start's moment and the replies to ``beside``'s commands. The request frames of those others
+        come back in the reply when at most ``inline`` bytes."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for _ in range(3):  # a Redis that keeps losing the script: its error is returned
+                moment = utcnow()
+                # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the
+                # system's random source for all of them, sent as one argument (start.lua cuts it).
+                executions = os.urandom(16 * (bool(first_id) + more)).hex()
+                args: list[Any] = [*self._common, self.queue.name, self.worker_name, moment.timestamp()]
+                args += [utcformat(moment), DEFAULT_JOB_TTL, more, inline, first_id, executions]
+                # By its sha alone: redis-py's pipeline sends SCRIPT EXISTS before every execute
+                # that holds a Script, one more round trip a take.
+                pipe.evalsha(self._scripts["start"].sha, 0, *args)
+                beside(pipe)
+                reply, *others = pipe.execute(raise_on_error=False)
+                if not self._reloaded(reply):
+                    break
+        return reply, moment, others
+
+    def _reloaded(self, reply: object) -> bool:
+        """Whether ``reply`` says Redis has not the start script (it restarted, SCRIPT FLUSH ran,
+        or none was sent yet); then it is loaded, and the pipeline is to be sent again: its start
+        did not run. (The other scripts go through redis-py's ``Script``, which loads itself.)"""
+        if not isinstance(reply, redis.exceptions.NoScriptError):
+            return False
+        start = self._scripts["start"]
+        start.sha = self.connection.script_load(start.script)
+        return True
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
         started_raw, skipped_raw, _ = reply

@@ -119,11 +119,13 @@ class Intake:
         read their frames."""
         limit = self.settings.max_frame_bytes
         first_text = first.decode(errors="replace")
-        with self.starting, self.connection.pipeline(transaction=False) as pipe:
-            moment = self.book.queue_start(pipe, first, more, inline=min(limit, INLINE_FRAME_BYTES))
+
+        def read_first(pipe: redis.client.Pipeline) -> None:  # in the start's round trip
             if first:
                 pipe.getrange(keys.request_key(first_text), 0, limit)
-            reply, *first_frame = pipe.execute(raise_on_error=False)
+
+        with self.starting:
+            reply, moment, first_frame = self.book.start(first, more, min(limit, INLINE_FRAME_BYTES), read_first)
             if isinstance(reply, Exception):
                 raise reply
             started, skipped = self.book.parse_start(reply, moment)

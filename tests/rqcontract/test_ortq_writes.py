@@ -108,9 +108,7 @@ class OrtqSide:
         queue = self.book.queue
         raw = self.connection.lmove(queue.queue, queue.intermediate)
         assert isinstance(raw, bytes)
-        with self.connection.pipeline(transaction=False) as pipe:
-            moment = self.book.queue_start(pipe, raw, 0)
-            [reply] = pipe.execute()
+        reply, moment, _ = self.book.start(raw, 0)
         [started], skipped = self.book.parse_start(reply, moment)
         assert not skipped
         return started

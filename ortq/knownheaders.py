@@ -34,10 +34,10 @@ class _Known:
 def known_request(frame: object, max_bytes: int) -> Request | None:
     """``frame`` decoded through a remembered header, or None (for the full checks) when its
     header is not one or anything else is off."""
-    if type(frame) is not bytes or len(frame) > max_bytes:
+    if not isinstance(frame, bytes | bytearray) or len(frame) > max_bytes:
         return None
     end = PREFIX.size + int.from_bytes(frame[4:8], "little")
-    known = KNOWN.get(frame[: end - NONCE_TAIL])
+    known = KNOWN.get(bytes(frame[: end - NONCE_TAIL]))
     if known is None or known.data_start + known.data_end > len(frame):
         return None
     data = memoryview(frame)[known.data_start :]
@@ -45,7 +45,7 @@ def known_request(frame: object, max_bytes: int) -> Request | None:
         name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
         for name, dtype, count, offset, shape in known.tensors
     }
-    return Request(inputs, {"nonce": frame[end - NONCE_TAIL : end]})
+    return Request(inputs, {"nonce": bytes(frame[end - NONCE_TAIL : end])})
 
 
 def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
@@ -53,7 +53,11 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
     nothing else varies: the options are only the nonce, and msgpack writes the header back to
     the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
     behind the same key)."""
-    if type(frame) is not bytes or list(header)[-1] != "options" or header["options"].keys() != {"nonce"}:
+    if (
+        not isinstance(frame, bytes | bytearray)
+        or list(header)[-1] != "options"
+        or header["options"].keys() != {"nonce"}
+    ):
         return
     nonce = header["options"]["nonce"]
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_TAIL:
@@ -69,4 +73,4 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
     if len(KNOWN) >= 64:  # forged headers vary at will: the cache stays small
         KNOWN.clear()
     data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
-    KNOWN[frame[: end - NONCE_TAIL]] = _Known(len(frame) - len(data), data_end, tensors)
+    KNOWN[bytes(frame[: end - NONCE_TAIL])] = _Known(len(frame) - len(data), data_end, tensors)

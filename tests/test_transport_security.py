@@ -305,6 +305,21 @@ def test_jobs_left_by_a_dead_worker_or_a_lost_reply_are_taken_back_under_the_wor
     assert tls_redis.denied() <= WORKER_DENIED
 
 
+def test_large_frames_are_read_from_the_tls_socket_as_the_worker_user(tls_redis: TlsRedis) -> None:
+    """ortq.worker.largeframes reads the replies off redis-py's socket itself: a TLS one here."""
+    from ortq.worker.largeframes import read_large_frames
+
+    tls_redis.reset()
+    frames = {keys.request_key(str(uuid4())): secrets.token_bytes(size) for size in (70_000, 602_112, 3)}
+    for key, frame in frames.items():
+        tls_redis.admin.set(key, frame, ex=60)
+    worker_side = redis.Redis.from_url(tls_redis.url("ortq-worker"))
+    assert read_large_frames(worker_side, list(frames), 1 << 20) == list(frames.values())
+    assert worker_side.ping()  # the connection went back to the pool with nothing left to read
+    worker_side.close()
+    assert tls_redis.denied() == set()
+
+
 def test_a_worker_starts_and_stops_under_its_acl(tls_redis: TlsRedis, gather_path: Path) -> None:
     """Birth, maintenance and death of a --burst worker, with nothing denied; a denial would show
     in the ACL LOG the other tests read, as a command outside the rules does here."""

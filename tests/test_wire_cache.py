@@ -72,8 +72,20 @@ def test_a_frame_differing_from_a_remembered_one_decodes_or_fails_as_without_it(
         del frame[data.draw(st.integers(0, len(frame) - 1)) :]
     else:
         frame += data.draw(st.binary(min_size=1, max_size=16))
-    warm, cold = warm_and_cold(bytes(frame), known)
+    # The worker reads large frames into bytearrays (ortq.worker.largeframes): both go the same way.
+    warm, cold = warm_and_cold(data.draw(st.sampled_from([bytes, bytearray]))(frame), known)
     assert warm == cold
+
+
+def test_a_frame_read_into_a_bytearray_decodes_through_the_header_remembered_from_bytes() -> None:
+    first, second = producer_frame(), bytearray(producer_frame(b"m" * 16))
+    knownheaders.KNOWN.clear()
+    wire.decode_request(first)
+    warm = wire.decode_request(second)
+    assert len(knownheaders.KNOWN) == 1 and warm.nonce == b"m" * 16 and type(warm.nonce) is bytes
+    assert outcome(second, cold=False) == outcome(second, cold=True)
+    np.testing.assert_array_equal(warm.inputs["pixels"], PIXELS)
+    assert warm.inputs["pixels"].base is not None  # a view of the frame's buffer, not a copy
 
 
 def test_a_known_header_with_too_little_data_is_refused_as_without_it() -> None:

@@ -30,6 +30,7 @@ from ortq.errors import InvalidJob, OrtqError, PayloadTooLarge
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Skipped, StartedJob
 from ortq.settings import Settings
+from ortq.worker.largeframes import read_large_frames
 
 log = logging.getLogger("ortq.worker")
 
@@ -44,7 +45,7 @@ class Taken:
     it was deleted), or the error that fails the job without decoding anything."""
 
     started: StartedJob
-    frame: bytes | OrtqError | None
+    frame: bytes | bytearray | OrtqError | None
 
 
 class Intake:
@@ -140,10 +141,8 @@ class Intake:
         # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
         rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]
         if rest:
-            with self.connection.pipeline(transaction=False) as pipe:
-                for job in rest:
-                    pipe.getrange(keys.request_key(job.job_id), 0, limit)
-                frames.update(zip((job.job_id for job in rest), pipe.execute(raise_on_error=False), strict=True))
+            read = read_large_frames(self.connection, [keys.request_key(job.job_id) for job in rest], limit)
+            frames.update(zip((job.job_id for job in rest), read, strict=True))
         return [Taken(job, _frame(job, frames.get(job.job_id), limit)) for job in started]
 
     def _skip(self, skipped: Skipped) -> None:
@@ -180,7 +179,7 @@ class Intake:
         return self._suspended
 
 
-def _frame(job: StartedJob, reply: object, limit: int) -> bytes | OrtqError | None:
+def _frame(job: StartedJob, reply: object, limit: int) -> bytes | bytearray | OrtqError | None:
     """The request frame, or why there is none to decode: None when there is no request key (its
     ttl passed), an error when it is no string or larger than the limit (then it was not read
     past the limit, or, in a batch, not at all)."""
@@ -188,6 +187,6 @@ def _frame(job: StartedJob, reply: object, limit: int) -> bytes | OrtqError | No
         return None
     if job.frame_size == -2 or isinstance(reply, Exception):
         return InvalidJob(f"the request key of job {job.job_id} holds no string")
-    if job.frame_size > limit or (isinstance(reply, bytes) and len(reply) > limit):
+    if job.frame_size > limit or (isinstance(reply, bytes | bytearray) and len(reply) > limit):
         return PayloadTooLarge(f"the request frame is over max_frame_bytes ({limit}); it was not read")
-    return reply if isinstance(reply, bytes) and len(reply) == job.frame_size else None
+    return reply if isinstance(reply, bytes | bytearray) and len(reply) == job.frame_size else None

@@ -435,6 +435,48 @@ def test_a_drained_backlog_is_answered_with_outputs_equal_to_a_direct_run(
     assert connection.zcard(Book(connection, "any", keys.queue_name(model_name)).queue.finished) == 60
 
 
+def test_a_replier_behind_the_runs_holds_the_worker_back_instead_of_piling_up_jobs(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ortq.worker.overlap import REPLIES_WAITING, SLOTS_WITH_BACKLOG
+
+    finish = Book.finish
+
+    def slow_finish(self: Book, *args: object, **kwargs: object) -> int:
+        time.sleep(0.02)  # as a Redis busy with other workers' scripts answers late
+        return finish(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Book, "finish", slow_finish)
+    started = Book(connection, "any", keys.queue_name(model_name)).queue.started
+    most, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal most
+        while not done.is_set():
+            most = max(most, connection.zcard(started))
+            time.sleep(0.002)
+
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        inputs = [{"x": np.random.default_rng(i).random((1, 4), np.float32)} for i in range(240)]
+        handles = producer.submit_many(model_name, inputs)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        worker = make_worker(tiny_path, model_name, settings, max_batch=4, rows_independent=True, burst=True)
+        try:
+            assert worker.serve(handle_signals=False) == 0
+        finally:
+            done.set()
+            watcher.join()
+        outputs = producer.results(handles, timeout=30)
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    for given, got in zip(inputs, outputs, strict=True):
+        np.testing.assert_allclose(got["y"], session.run(None, given)[0], rtol=1e-6)
+    # Batches of 4 jobs: those in the feeder's slots, those waiting for the replier, the one it
+    # answers and the one the main thread waits to hand over. The runs take ~0.1 ms and the answers
+    # 20 ms: without the bound nearly every job would be started at once.
+    assert 0 < most <= 4 * (SLOTS_WITH_BACKLOG + REPLIES_WAITING + 2)
+
+
 def test_slots_allow_a_third_batch_only_up_to_the_limit_asked() -> None:
     from ortq.worker.overlap import Slots
 

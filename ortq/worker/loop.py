@@ -190,7 +190,7 @@ class Worker:
             feeder.thread.join()
             if threads.device_lost.is_set():
                 give_back(self.upkeep, leftovers)
-            threads.replies.put(END)
+            threads.reply_later(END)
             replier.thread.join()
         if threads.fatal is not None:
             raise threads.fatal
@@ -229,7 +229,7 @@ class Worker:
                     # loaded machine a thread's wake-up costs a sequential request ~0.1 ms).
                     self.replier.deliver(outcome, self.upkeep.book)
                 else:
-                    self.threads.replies.put(outcome)
+                    self.threads.reply_later(outcome)
 
     def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
         """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""

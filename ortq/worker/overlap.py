@@ -82,6 +82,11 @@ class Slots:
 
 #: Batches in hand at most (running, waiting, being taken): two, three while the queue has a backlog.
 SLOTS, SLOTS_WITH_BACKLOG = 2, 3
+#: Batches run and waiting for the replier at most. Past it the main thread waits, and the feeder
+#: with it (no slot is released): a replier behind the runs (Redis busy with this and other
+#: workers' scripts) leaves no pile of computed, unanswered jobs (every heartbeat refreshes each
+#: held job's records, and a crash would run them all again).
+REPLIES_WAITING = 2
 
 
 class Threads:
@@ -91,11 +96,21 @@ class Threads:
         self.stop = stop
         self.slots = Slots()
         self.batches: queue.Queue[TakenBatch | None] = queue.Queue()
-        self.replies: queue.Queue[Outcome | None] = queue.Queue()
+        self.replies: queue.Queue[Outcome | None] = queue.Queue(maxsize=REPLIES_WAITING)
         #: The error that ended a thread (raised by the main thread), if any.
         self.fatal: BaseException | None = None
         #: Set when the GPU is gone: the feeder gives back what it takes instead of queueing it.
         self.device_lost = threading.Event()
+
+    def reply_later(self, outcome: Outcome | None) -> None:
+        """Hand ``outcome`` (END: no more) to the replier, once fewer than REPLIES_WAITING wait;
+        waiting in short slices, so that signals get their turn."""
+        while True:
+            try:
+                self.replies.put(outcome, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def fail(self, exc: BaseException) -> None:
         if self.fatal is None:

@@ -2,6 +2,7 @@
 filled beforehand, then Redis's ``INFO commandstats`` is divided by the job count.
 
     python -m bench.redis_profile [--jobs 6000] [--max-batch 32] [--rq-results on,off]
+                                  [--stream-node-max-bytes 4096,512]
 
 ``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
 (their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortq.localredis import LocalRedis
+from ortq.localredis import STREAM_NODE_MAX_BYTES, LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
 from ortq.worker.serve import WorkerConfig, build_worker
@@ -30,13 +31,19 @@ def main() -> None:
     parser.add_argument(
         "--rq-results", default="on", help="on, off or on,off: with RQ's result record per job (ORTQ_RQ_RESULTS) or not"
     )
+    parser.add_argument(
+        "--stream-node-max-bytes",
+        default=str(STREAM_NODE_MAX_BYTES),
+        help="Redis's setting, or several (4096,512) run one after the other (docs/operations.md)",
+    )
     args = parser.parse_args()
-    for recorded in args.rq_results.split(","):
-        profile(args.jobs, args.max_batch, {"on": True, "off": False}[recorded])
+    for node_bytes in args.stream_node_max_bytes.split(","):
+        for recorded in args.rq_results.split(","):
+            profile(args.jobs, args.max_batch, {"on": True, "off": False}[recorded], int(node_bytes))
 
 
-def profile(jobs: int, max_batch: int, rq_results: bool) -> None:
-    with LocalRedis() as server:
+def profile(jobs: int, max_batch: int, rq_results: bool, node_bytes: int) -> None:
+    with LocalRedis(extra_args=("--stream-node-max-bytes", str(node_bytes))) as server:
         settings = Settings.from_url(server.url, rq_results=rq_results)
         with Producer(settings=settings, allow_unknown_models=True) as producer:
             rng = np.random.default_rng(0)
@@ -50,7 +57,8 @@ def profile(jobs: int, max_batch: int, rq_results: bool) -> None:
     rows = sorted(((v["usec"] / jobs, v["calls"] / jobs, k[8:]) for k, v in stats.items()), reverse=True)
     scripts = sum(usec for usec, _, name in rows if name in ("evalsha", "eval", "fcall"))
     inside = sum(usec for usec, _, name in rows if name not in ("evalsha", "eval", "fcall", "blmove", "lmove"))
-    print(f"{jobs} digits jobs, --max-batch {max_batch}, RQ results {'on' if rq_results else 'off'}: ", end="")
+    print(f"{jobs} digits jobs, --max-batch {max_batch}, RQ results {'on' if rq_results else 'off'}, ", end="")
+    print(f"stream-node-max-bytes {node_bytes}: ", end="")
     print(f"the scripts {scripts:.1f} us/job,")
     print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f}")
     for usec, calls, name in rows:

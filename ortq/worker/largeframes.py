@@ -3,13 +3,14 @@ tensors are decoded from.
 
 Through redis-py with hiredis a bulk reply is copied three times after the kernel's: into
 redis-py's read buffer, into hiredis's, and into the ``bytes`` object it returns (with the
-hiredis buffer grown by reallocation on the way). For a 602 KB frame that is ~157 µs of the
-worker's CPU against ~73 µs for the socket read alone (CI VM, docs/performance.md, fifth pass),
-and a conv-sized job's worker is CPU-bound. So frames over the inline size (ortq.worker.intake)
-are read here: redis-py still owns the connection (its pool, AUTH, TLS, timeouts, reconnects)
-and packs and sends the commands; only the replies, which are bulk strings or errors from
-``GETRANGE``, are read from its socket by this module. Any fault leaves the connection
-disconnected, so nothing half-read is ever taken for the next reply.
+hiredis buffer grown by reallocation on the way). A conv-sized job's worker is CPU-bound, and
+reading its frames here took its CPU a job on the H200 down by a fifth to a third
+(docs/performance.md, fifth pass; ``python -m bench.frame_read`` compares the two readers). So
+frames over the inline size (ortq.worker.intake) are read here: redis-py still owns the
+connection (its pool, AUTH, TLS, timeouts, reconnects) and packs and sends the commands; only the
+replies, which are bulk strings or errors from ``GETRANGE``, are read from its socket by this
+module. Any fault leaves the connection disconnected, so nothing half-read is ever taken for the
+next reply.
 """
 
 from __future__ import annotations

@@ -300,15 +300,22 @@ def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 
+@pytest.mark.parametrize("command", ["zmscore", "strlen"])
 def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
-    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis, caplog: pytest.LogCaptureFixture
+    tiny_path: Path,
+    model_name: str,
+    settings: Settings,
+    connection: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    command: str,
 ) -> None:
-    # The documented worker rule without ZMSCORE (finish.lua's fencing): before, the refusal inside
-    # the script read as "no job owned", and every job came back later as WorkerLost.
+    # The documented worker rule without ZMSCORE (finish.lua's fencing) or STRLEN (start.lua's look
+    # at a request frame, under redis.pcall): before, the refusal inside the script read as "no job
+    # owned" or "no frame", and every job came back later as WorkerLost or failed as InvalidJob.
     from tests.test_transport_security import WORKER_RULES
 
     user, password = f"w-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    rules = WORKER_RULES.replace("+zmscore ", "")
+    rules = WORKER_RULES.replace(f"+{command} ", "")
     assert rules != WORKER_RULES
     connection.execute_command("ACL", "SETUSER", user, "on", f">{password}", *rules.split())
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -27,12 +27,15 @@ HEADER_READ = 256
 MAX_LINE = 4096
 
 
-def read_large_frames(connection: redis.Redis, keys: Sequence[str], limit: int) -> list[bytearray | Exception]:
+def read_large_frames(connection: redis.Redis, keys: Sequence[str], limit: int) -> list[bytes | bytearray | Exception]:
     """``GETRANGE key 0 limit`` of each key, pipelined in one round trip: each value as a
-    bytearray of its own (empty when the key is missing), or the error Redis answered for it (a
-    key holding no string). Raises redis.ConnectionError or redis.TimeoutError when the
-    connection fails, as redis-py would."""
+    bytearray of its own (empty when the key is missing; bytes from redis-py over RESP3), or the
+    error Redis answered for it (a key holding no string). Raises redis.ConnectionError or
+    redis.TimeoutError when the connection fails, as redis-py would."""
     pool = connection.connection_pool
+    if str(pool.connection_kwargs.get("protocol") or 2) != "2":
+        # RESP3 may put push messages among the replies: redis-py reads those (copying).
+        return _through_redis_py(connection, keys, limit)
     conn: Any  # redis-py's Connection: its send and pack methods are not annotated
     try:
         conn = pool.get_connection()
@@ -54,6 +57,13 @@ def read_large_frames(connection: redis.Redis, keys: Sequence[str], limit: int) 
         raise
     finally:
         pool.release(conn)
+
+
+def _through_redis_py(connection: redis.Redis, keys: Sequence[str], limit: int) -> list[bytes | bytearray | Exception]:
+    with connection.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.getrange(key, 0, limit)
+        return cast(list[bytes | bytearray | Exception], pipe.execute(raise_on_error=False))
 
 
 class _Replies:

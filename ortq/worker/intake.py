@@ -35,7 +35,9 @@ from ortq.worker.largeframes import read_large_frames
 log = logging.getLogger("ortq.worker")
 
 #: Request frames of a batch up to this size come back inside the start script's reply (one round
-#: trip fewer); larger ones are read with GETRANGE, which copies them once instead of through Lua.
+#: trip fewer); larger ones are read with GETRANGE (ortq.worker.largeframes), outside Lua. Redis 7's
+#: Lua hashes every byte of a string entering it (~1.3 ns a byte; docs/performance.md, fifth pass):
+#: a smaller size saves Redis that and costs the worker a round trip a batch.
 INLINE_FRAME_BYTES = 64 * 1024
 
 

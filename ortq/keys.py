@@ -67,6 +67,14 @@ def reply_key(job_id: str) -> str:
     return PREFIX + "reply:" + job_id
 
 
+def answer_stage_key(job_id: str, execution_id: str) -> str:
+    """Stream holding a large response frame for one execution of a job, written by its worker
+    just before its finish script, which renames it to the reply key if the execution still owns
+    the job (the frame never enters Lua: Redis 7's Lua hashes every byte of a string) and deletes
+    it otherwise; it expires with the answer's ttl if the worker dies in between."""
+    return PREFIX + "stage:" + job_id + ":" + execution_id
+
+
 def last_high_key(model: str) -> str:
     """String naming the most recently enqueued high-priority job of ``model``: new high-priority
     jobs are inserted after it, so that they run before every normal one and in FIFO order."""

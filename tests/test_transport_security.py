@@ -61,7 +61,7 @@ WORKER_RULES = (
     "+type +exists +get +getrange +strlen +set +del +expire +persist +object|encoding +memory|usage "
     "+rpush +lpush +lpop +lrem +lrange +ltrim +lmove +blmove +llen "
     "+hset +hget +hmget +hdel +hexists +hlen +hstrlen +sadd +srem +srandmember "
-    "+zadd +zrem +zscore +zmscore +zrange +zrangebyscore +zremrangebyscore +xadd +subscribe +unsubscribe"
+    "+zadd +zrem +zscore +zmscore +zrange +zrangebyscore +zremrangebyscore +xadd +rename +subscribe +unsubscribe"
 )
 MONITOR_RULES = (
     "resetchannels resetkeys -@all +ping +select +scan +type +get +mget +srandmember +hget +hmget +llen +zcard "

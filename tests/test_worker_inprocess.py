@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -221,6 +222,65 @@ def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book
     assert book.finish([Finished(started, frame, 60, b"\x80")]) == 0
     assert not connection.exists(keys.reply_key(job_id))
     assert connection.hget(keys.job_key(job_id), "status") == b"queued"
+
+
+def test_large_answers_reach_their_reply_through_a_stage_key_fenced_like_small_ones(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    # A large answer never enters Lua (Redis 7 hashes every byte of a script's strings): it is
+    # written beside the finish script and renamed to its reply there, if the job is still this
+    # execution's; a job taken back meanwhile gets no reply, and its stage is deleted.
+    from ortq.rqcompat.book import STAGED_ANSWER_BYTES
+
+    ids = [str(uuid.uuid4()) for _ in range(4)]
+    for job_id in ids:
+        push(connection, model_name, job_id)
+    started, _ = start(connection, book, more=3)
+    taken_back, answered_large, answered_small, forged = started
+    assert book.recover(taken_back.job_id, taken_back.execution_id, book.worker_name, 2, 60, b"e", "test")
+    large = wire.encode_response({"y": np.ones((STAGED_ANSWER_BYTES // 16, 4), np.float32)})
+    small = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
+    assert len(large) >= STAGED_ANSWER_BYTES > len(small)
+    # An entry already in the fourth's stage (a finish sent twice after NOSCRIPT, or anyone with
+    # the worker's rights) does not become a second entry of its reply.
+    connection.xadd(keys.answer_stage_key(forged.job_id, forged.execution_id), {"frame": b"forged"})
+    connection.config_resetstat()
+    answered = book.finish(
+        [Finished(job, frame, 60, b"\x80") for job, frame in zip(started, [large, large, small, large], strict=True)]
+    )
+    assert answered == 3
+    assert not connection.exists(keys.reply_key(taken_back.job_id))
+    for job, frame in ((answered_large, large), (answered_small, small), (forged, large)):
+        [(_, entry)] = connection.xrange(keys.reply_key(job.job_id))
+        assert entry == {b"frame": frame} and 0 < connection.ttl(keys.reply_key(job.job_id)) <= 60
+    assert not connection.keys(keys.answer_stage_key("*", "*"))  # renamed, or deleted when not answered
+    assert connection.hget(keys.job_key(taken_back.job_id), "status") == b"queued"
+    stats = connection.info("commandstats")
+    assert stats["cmdstat_rename"]["calls"] == 2 and stats["cmdstat_xadd"]["calls"] >= 3
+
+
+def test_a_stage_deleted_before_the_finish_script_leaves_its_job_to_be_taken_back(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    from ortq.rqcompat.book import STAGED_ANSWER_BYTES
+
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    [started], _ = start(connection, book)
+    large = wire.encode_response({"y": np.ones((STAGED_ANSWER_BYTES // 16, 4), np.float32)})
+    stage = keys.answer_stage_key(job_id, started.execution_id)
+
+    def deleted_stage(pipe: redis.client.Pipeline) -> None:  # the stage written, then removed
+        pipe.xadd(stage, {"frame": large})
+        pipe.delete(stage)
+
+    packed = [[job_id, started.execution_id, 60, "0.1", "", repr(started.started_at.timestamp()), 1]]
+    args = [book.queue.name, book.worker_name, "", 1, "2026-01-01T00:00:00.000000Z", "0", msgpack.packb(packed), b""]
+    reply, _ = book._pipelined("finish", args, before=deleted_stage)
+    assert reply == 0  # not answered, not finished: still started, for its worker to take back
+    assert not connection.exists(keys.reply_key(job_id))
+    assert connection.zcard(book.queue.started) == 1 and connection.exists(keys.request_key(job_id))
+    assert connection.hget(keys.job_key(job_id), "status") == b"started"
 
 
 def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(

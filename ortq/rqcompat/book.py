@@ -135,6 +135,12 @@ class Retry:
     ttl: int = layout.DEFAULT_WORKER_TTL
 
 
+#: Answers of at least this many bytes reach their reply stream through a stage key
+#: (keys.answer_stage_key) instead of the finish script's arguments: Redis 7's Lua hashes every
+#: byte of a string entering it, ~1.3 ns a byte (0.8 ms for a 602 KB answer; docs/performance.md).
+STAGED_ANSWER_BYTES = 64 * 1024
+
+
 class Book:
     """The scripts, bound to one connection, one worker and one queue."""
 
@@ -161,32 +167,39 @@ class Book:
         Returns the script's reply (for ``parse_start``; an error as an exception instance), the
         start's moment and the replies to ``beside``'s commands. The request frames of those others
         come back in the reply when at most ``inline`` bytes."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            for _ in range(3):  # a Redis that keeps losing the script: its error is returned
-                moment = utcnow()
-                # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the
-                # system's random source for all of them, sent as one argument (start.lua cuts it).
-                executions = os.urandom(16 * (bool(first_id) + more)).hex()
-                args: list[Any] = [*self._common, self.queue.name, self.worker_name, moment.timestamp()]
-                args += [utcformat(moment), DEFAULT_JOB_TTL, more, inline, first_id, executions]
-                # By its sha alone: redis-py's pipeline sends SCRIPT EXISTS before every execute
-                # that holds a Script, one more round trip a take.
-                pipe.evalsha(self._scripts["start"].sha, 0, *args)
-                beside(pipe)
-                reply, *others = pipe.execute(raise_on_error=False)
-                if not self._reloaded(reply):
-                    break
+        moment = utcnow()
+        # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the
+        # system's random source for all of them, sent as one argument (start.lua cuts it).
+        executions = os.urandom(16 * (bool(first_id) + more)).hex()
+        args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL]
+        reply, others = self._pipelined("start", [*args, more, inline, first_id, executions], after=beside)
         return reply, moment, others
 
-    def _reloaded(self, reply: object) -> bool:
-        """Whether ``reply`` says Redis has not the start script (it restarted, SCRIPT FLUSH ran,
-        or none was sent yet); then it is loaded, and the pipeline is to be sent again: its start
-        did not run. (The other scripts go through redis-py's ``Script``, which loads itself.)"""
-        if not isinstance(reply, redis.exceptions.NoScriptError):
-            return False
-        start = self._scripts["start"]
-        start.sha = self.connection.script_load(start.script)
-        return True
+    def _pipelined(
+        self,
+        name: str,
+        args: list[Any],
+        before: Callable[[Any], object] = lambda pipe: None,
+        after: Callable[[Any], object] = lambda pipe: None,
+    ) -> tuple[Any, list[Any]]:
+        """Script ``name`` in one pipeline between what ``before`` and ``after`` queue (which must
+        be safe to send twice): its reply (an error as an exception instance) and the replies to
+        ``after``'s commands. The script goes by its sha alone: redis-py's pipeline sends SCRIPT
+        EXISTS before every execute that holds a Script, one more round trip each time. Redis
+        answers NOSCRIPT when it has lost the scripts (a restart, SCRIPT FLUSH) or none was sent
+        yet: the script is loaded and the pipeline sent again (the script did not run)."""
+        script = self._scripts[name]
+        with self.connection.pipeline(transaction=False) as pipe:
+            for _ in range(3):  # a Redis that keeps losing the script: its error is returned
+                before(pipe)
+                skipped = len(pipe)
+                pipe.evalsha(script.sha, 0, *self._common, *args)
+                after(pipe)
+                reply, *others = pipe.execute(raise_on_error=False)[skipped:]
+                if not isinstance(reply, redis.exceptions.NoScriptError):
+                    break
+                script.sha = self.connection.script_load(script.script)
+        return reply, others
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
         started_raw, skipped_raw, _ = reply
@@ -233,8 +246,24 @@ class Book:
             value = b"" if job.return_value is None else b64encode(job.return_value)
             small.append([started.job_id, started.execution_id, job.ttl, texts[0], value, texts[1]])
         head = [self.queue.name, self.worker_name, state, len(jobs), utcformat(ended), repr(ended_at)]
+        staged = [len(job.frame) >= STAGED_ANSWER_BYTES for job in jobs]
+        for entry, is_staged in zip(small, staged, strict=True):
+            entry.append(1 if is_staged else 0)
         packed = msgpack.packb(small, use_bin_type=False)
-        return int(self._call("finish", [*head, packed, *(frame_argument(job.frame) for job in jobs)]))
+        frames = [b"" if is_staged else frame_argument(job.frame) for job, is_staged in zip(jobs, staged, strict=True)]
+
+        def stage(pipe: Any) -> None:  # large answers go in beside the script, never through Lua
+            for job, is_staged in zip(jobs, staged, strict=True):
+                if is_staged:
+                    key = keys.answer_stage_key(job.started.job_id, job.started.execution_id)
+                    pipe.delete(key)  # sent twice after a NOSCRIPT: still one entry
+                    pipe.xadd(key, {"frame": frame_argument(job.frame)})
+                    pipe.expire(key, job.ttl)
+
+        reply, _ = self._pipelined("finish", [*head, packed, *frames], before=stage)
+        if isinstance(reply, Exception):
+            raise reply
+        return int(reply)
 
     def fail(
         self, started: StartedJob, error: bytes, ttl: int, reason: str, retry: Retry | None, state: str = "idle"

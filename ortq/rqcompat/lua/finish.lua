@@ -5,9 +5,11 @@
 -- ARGV: 5 queue name, 6 worker name, 7 the worker's state afterwards ('' to leave it), 8 job count,
 --       9 ended (RQ's ISO), 10 ended (epoch s), 11 the jobs, msgpack: per job an array of id,
 --       execution id, ttl (s), working seconds, return value (base64 msgpack; '' writes no result
---       stream entry), started (epoch s); then 12... each job's response frame. (One msgpack
---       argument for a job's small values instead of six: the worker's Redis client packs each
---       argument on its own, in Python.)
+--       stream entry), started (epoch s), staged (1: its response frame waits in its stage stream,
+--       written beside this call, and is renamed to its reply: a large frame never enters Lua,
+--       whose strings Redis 7 hashes byte by byte); then 12... each job's response frame ('' when
+--       staged). (One msgpack argument for a job's small values instead of seven: the worker's
+--       Redis client packs each argument on its own, in Python.)
 -- Returns the number of jobs answered (a job taken back meanwhile is not: fencing).
 local queue, worker, n = ARGV[5], ARGV[6], tonumber(ARGV[8])
 local ended_iso, ended_at = ARGV[9], ARGV[10]
@@ -18,10 +20,14 @@ for j = 1, n do composites[j] = jobs[j][1] .. ':' .. jobs[j][2] end
 -- belongs to its next execution. A started registry of another type owns nothing.
 local scores = {}
 if n > 0 then scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', wip_key(queue)}, composites)) end
+local function stage_key(j) return ORTQ .. 'stage:' .. composites[j] end
 local live, gone = {}, {}
 if type(scores) == 'table' and not scores.err then
   for j = 1, n do
-    if scores[j] and type(scores[j]) ~= 'table' then
+    -- A staged answer that is gone (deleted by someone) leaves its job started, untouched: its
+    -- worker takes it back as its own orphan and runs it again.
+    local staged = jobs[j][7] == 1
+    if scores[j] and type(scores[j]) ~= 'table' and (not staged or kind(stage_key(j)) == 'stream') then
       table.insert(live, j)
       local id = jobs[j][1]
       -- the reply key emptied (see answer), the request and the execution hash deleted: one DEL
@@ -31,12 +37,23 @@ if type(scores) == 'table' and not scores.err then
     end
   end
 end
+local answered = {}
+for _, j in ipairs(live) do answered[j] = true end
+for j = 1, n do  -- the stages of answers this call does not post (taken back meanwhile)
+  if jobs[j][7] == 1 and not answered[j] then table.insert(gone, stage_key(j)) end
+end
 if #gone > 0 then each_chunk(redis.call, {'DEL'}, gone) end
 local working, finished, index = 0, {}, {}
 local ended_whole = math.floor(tonumber(ended_at))
 for _, j in ipairs(live) do
-  local id, execution, ttl, spent, value, started_at = unpack(jobs[j])
-  post(id, ARGV[11 + j], ttl)
+  local id, execution, ttl, spent, value, started_at, staged = unpack(jobs[j])
+  if staged == 1 then
+    local reply = ORTQ .. 'reply:' .. id
+    redis.call('RENAME', stage_key(j), reply)  -- the whole stream, its one entry: no byte copied
+    redis.call('EXPIRE', reply, ttl)
+  else
+    post(id, ARGV[11 + j], ttl)
+  end
   local job = job_key(id)
   local set = redis.pcall('HSET', job, 'status', 'finished', 'ended_at', ended_iso)
   if type(set) ~= 'table' then redis.call('EXPIRE', job, ttl) end  -- an error: no job hash to keep

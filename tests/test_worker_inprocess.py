@@ -360,7 +360,7 @@ def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 
-@pytest.mark.parametrize("command", ["zmscore", "strlen"])
+@pytest.mark.parametrize("command", ["zmscore", "strlen", "rename"])
 def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
     tiny_path: Path,
     model_name: str,
@@ -372,7 +372,11 @@ def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
     # The documented worker rule without ZMSCORE (finish.lua's fencing) or STRLEN (start.lua's look
     # at a request frame, under redis.pcall): before, the refusal inside the script read as "no job
     # owned" or "no frame", and every job came back later as WorkerLost or failed as InvalidJob.
+    # Without RENAME (a rule from before large answers were staged): a large answer's finish
+    # changes nothing, so the job can still be run again by a worker with the right rule.
     from tests.test_transport_security import WORKER_RULES
+
+    inputs = {"x": np.ones((5000, 4), np.float32)} if command == "rename" else X  # an 80 KB answer: staged
 
     user, password = f"w-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     rules = WORKER_RULES.replace(f"+{command} ", "")
@@ -384,10 +388,13 @@ def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
         running = Serving(worker)
         with Producer(settings=settings) as producer:
             producer.wait_for_workers(model_name, 1, timeout=30)
-            producer.submit(model_name, X)
+            job = producer.submit(model_name, inputs)
             running.thread.join(30)
         assert running.status == EXIT_CONFIGURATION
         assert "give it the worker rule of docs/security.md" in caplog.text
+        if command == "rename":
+            assert connection.exists(keys.request_key(job.id)) and not connection.exists(keys.reply_key(job.id))
+            assert connection.hget(keys.job_key(job.id), "status") == b"started"  # to be taken back
     finally:
         connection.execute_command("ACL", "DELUSER", user)
 

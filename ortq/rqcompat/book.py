@@ -195,10 +195,17 @@ class Book:
                 skipped = len(pipe)
                 pipe.evalsha(script.sha, 0, *self._common, *args)
                 after(pipe)
-                reply, *others = pipe.execute(raise_on_error=False)[skipped:]
+                replies = pipe.execute(raise_on_error=False)
+                reply, *others = replies[skipped:]
                 if not isinstance(reply, redis.exceptions.NoScriptError):
                     break
                 script.sha = self.connection.script_load(script.script)
+        # A refused command of ``before``'s (its key of the wrong type, or the ACL) is raised once
+        # the script has run: what the script wrote stands (for finish, a job whose stage is
+        # missing stays started, to be taken back).
+        for earlier in replies[:skipped]:
+            if isinstance(earlier, Exception):
+                raise earlier
         return reply, others
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:

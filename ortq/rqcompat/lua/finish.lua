@@ -30,15 +30,21 @@ if type(scores) == 'table' and not scores.err then
     if scores[j] and type(scores[j]) ~= 'table' and (not staged or kind(stage_key(j)) == 'stream') then
       table.insert(live, j)
       local id = jobs[j][1]
-      -- the reply key emptied (see answer), the request and the execution hash deleted: one DEL
-      table.insert(gone, ORTQ .. 'reply:' .. id)
+      -- the reply key emptied (see answer; a staged answer's RENAME replaces it), the request and
+      -- the execution hash deleted: one DEL
+      if not staged then table.insert(gone, ORTQ .. 'reply:' .. id) end
       table.insert(gone, ORTQ .. 'req:' .. id)
       table.insert(gone, PREFIX .. ':execution:' .. composites[j])
     end
   end
 end
 local answered = {}
-for _, j in ipairs(live) do answered[j] = true end
+for _, j in ipairs(live) do
+  answered[j] = true
+  -- Staged answers first, before anything is written: a RENAME the ACL refuses (a worker rule
+  -- from before +rename) then ends the call having changed nothing.
+  if jobs[j][7] == 1 then redis.call('RENAME', stage_key(j), ORTQ .. 'reply:' .. jobs[j][1]) end
+end
 for j = 1, n do  -- the stages of answers this call does not post (taken back meanwhile)
   if jobs[j][7] == 1 and not answered[j] then table.insert(gone, stage_key(j)) end
 end
@@ -47,10 +53,8 @@ local working, finished, index = 0, {}, {}
 local ended_whole = math.floor(tonumber(ended_at))
 for _, j in ipairs(live) do
   local id, execution, ttl, spent, value, started_at, staged = unpack(jobs[j])
-  if staged == 1 then
-    local reply = ORTQ .. 'reply:' .. id
-    redis.call('RENAME', stage_key(j), reply)  -- the whole stream, its one entry: no byte copied
-    redis.call('EXPIRE', reply, ttl)
+  if staged == 1 then  -- renamed above: the whole stream, its one entry, no byte copied
+    redis.call('EXPIRE', ORTQ .. 'reply:' .. id, ttl)
   else
     post(id, ARGV[11 + j], ttl)
   end

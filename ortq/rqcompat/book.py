@@ -242,7 +242,7 @@ class Book:
         Returns how many were still this worker's to answer."""
         ended = utcnow()
         ended_at = ended.timestamp()
-        small = []
+        small, frames, staged = [], [], []
         moments: dict[datetime, tuple[str, str]] = {}  # a start's jobs share their moment
         for job in jobs:
             started = job.started
@@ -251,21 +251,20 @@ class Book:
                 # Floats as redis-py would send them (repr), so that the records read as before.
                 texts = moments[started.started_at] = (repr(ended_at - started_at), repr(started_at))
             value = b"" if job.return_value is None else b64encode(job.return_value)
-            small.append([started.job_id, started.execution_id, job.ttl, texts[0], value, texts[1]])
+            is_staged = len(job.frame) >= STAGED_ANSWER_BYTES
+            small.append([started.job_id, started.execution_id, job.ttl, texts[0], value, texts[1], int(is_staged)])
+            frames.append(b"" if is_staged else frame_argument(job.frame))
+            if is_staged:
+                staged.append(job)
         head = [self.queue.name, self.worker_name, state, len(jobs), utcformat(ended), repr(ended_at)]
-        staged = [len(job.frame) >= STAGED_ANSWER_BYTES for job in jobs]
-        for entry, is_staged in zip(small, staged, strict=True):
-            entry.append(1 if is_staged else 0)
         packed = msgpack.packb(small, use_bin_type=False)
-        frames = [b"" if is_staged else frame_argument(job.frame) for job, is_staged in zip(jobs, staged, strict=True)]
 
         def stage(pipe: Any) -> None:  # large answers go in beside the script, never through Lua
-            for job, is_staged in zip(jobs, staged, strict=True):
-                if is_staged:
-                    key = keys.answer_stage_key(job.started.job_id, job.started.execution_id)
-                    pipe.delete(key)  # sent twice after a NOSCRIPT: still one entry
-                    pipe.xadd(key, {"frame": frame_argument(job.frame)})
-                    pipe.expire(key, job.ttl)
+            for job in staged:
+                key = keys.answer_stage_key(job.started.job_id, job.started.execution_id)
+                pipe.delete(key)  # sent twice after a NOSCRIPT: still one entry
+                pipe.xadd(key, {"frame": frame_argument(job.frame)})
+                pipe.expire(key, job.ttl)
 
         reply, _ = self._pipelined("finish", [*head, packed, *frames], before=stage)
         if isinstance(reply, Exception):

@@ -18,16 +18,13 @@ from collections.abc import Callable
 import redis
 
 from ortq.localredis import LocalRedis
-from ortq.worker.largeframes import read_large_frames
+from ortq.worker.largeframes import read_large_frames, read_through_redis_py
 
 LIMIT = 1 << 26
 
 
 def through_redis_py(connection: redis.Redis, keys: list[str]) -> None:
-    with connection.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.getrange(key, 0, LIMIT)
-        pipe.execute()
+    read_through_redis_py(connection, keys, LIMIT)
 
 
 def through_largeframes(connection: redis.Redis, keys: list[str]) -> None:

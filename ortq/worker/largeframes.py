@@ -35,7 +35,7 @@ def read_large_frames(connection: redis.Redis, keys: Sequence[str], limit: int) 
     pool = connection.connection_pool
     if str(pool.connection_kwargs.get("protocol") or 2) != "2":
         # RESP3 may put push messages among the replies: redis-py reads those (copying).
-        return _through_redis_py(connection, keys, limit)
+        return read_through_redis_py(connection, keys, limit)
     conn: Any  # redis-py's Connection: its send and pack methods are not annotated
     try:
         conn = pool.get_connection()
@@ -59,7 +59,10 @@ def read_large_frames(connection: redis.Redis, keys: Sequence[str], limit: int) 
         pool.release(conn)
 
 
-def _through_redis_py(connection: redis.Redis, keys: Sequence[str], limit: int) -> list[bytes | bytearray | Exception]:
+def read_through_redis_py(
+    connection: redis.Redis, keys: Sequence[str], limit: int
+) -> list[bytes | bytearray | Exception]:
+    """The same reads through redis-py's own reader (copying; it knows RESP3's push messages)."""
     with connection.pipeline(transaction=False) as pipe:
         for key in keys:
             pipe.getrange(key, 0, limit)

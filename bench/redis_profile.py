@@ -43,7 +43,7 @@ def main() -> None:
 
 
 def profile(jobs: int, max_batch: int, rq_results: bool, node_bytes: int) -> None:
-    with LocalRedis(extra_args=("--stream-node-max-bytes", str(node_bytes))) as server:
+    with LocalRedis(stream_node_max_bytes=node_bytes) as server:
         settings = Settings.from_url(server.url, rq_results=rq_results)
         with Producer(settings=settings, allow_unknown_models=True) as producer:
             rng = np.random.default_rng(0)

@@ -50,8 +50,15 @@ STREAM_NODE_MAX_BYTES = 512
 class LocalRedis:
     """``with LocalRedis() as server: server.url`` — started on enter, stopped on exit."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), durable: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        durable: bool = False,
+        stream_node_max_bytes: int = STREAM_NODE_MAX_BYTES,
+    ) -> None:
         self.port = port or free_port()
+        self.stream_node_max_bytes = stream_node_max_bytes
         # durable: an append-only file fsynced on every write, so that a restart (restart()) keeps
         # every acknowledged write, as a production Redis for ortq should be configured.
         self.extra_args = ("--appendonly", "yes", "--appendfsync", "always", *extra_args) if durable else extra_args
@@ -68,7 +75,7 @@ class LocalRedis:
         args = [
             find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self._dir.name,
-            "--stream-node-max-bytes", str(STREAM_NODE_MAX_BYTES), *self.extra_args,
+            "--stream-node-max-bytes", str(self.stream_node_max_bytes), *self.extra_args,
         ]  # fmt: skip
         log_path = Path(self._dir.name) / "redis.log"
         with open(log_path, "wb") as log_file:

@@ -2,7 +2,7 @@
 filled beforehand, then Redis's ``INFO commandstats`` is divided by the job count.
 
     python -m bench.redis_profile [--jobs 6000] [--max-batch 32] [--rq-results on,off]
-                                  [--stream-node-max-bytes 4096,512]
+                                  [--rq-executions on,off] [--stream-node-max-bytes 4096,512]
 
 ``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
 (their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,38 +33,58 @@ def main() -> None:
         "--rq-results", default="on", help="on, off or on,off: with RQ's result record per job (ORTQ_RQ_RESULTS) or not"
     )
     parser.add_argument(
+        "--rq-executions",
+        default="on",
+        help="on, off or on,off: with RQ's execution records per job (ORTQ_RQ_EXECUTIONS) or not",
+    )
+    parser.add_argument(
         "--stream-node-max-bytes",
         default=str(STREAM_NODE_MAX_BYTES),
         help="Redis's setting, or several (4096,512) run one after the other (docs/operations.md)",
     )
     args = parser.parse_args()
     for node_bytes in args.stream_node_max_bytes.split(","):
-        for recorded in args.rq_results.split(","):
-            profile(args.jobs, args.max_batch, {"on": True, "off": False}[recorded], int(node_bytes))
+        for results in args.rq_results.split(","):
+            for executions in args.rq_executions.split(","):
+                records = {"rq_results": ON_OFF[results], "rq_executions": ON_OFF[executions]}
+                profile(args.jobs, args.max_batch, records, int(node_bytes))
 
 
-def profile(jobs: int, max_batch: int, rq_results: bool, node_bytes: int) -> None:
+ON_OFF = {"on": True, "off": False}
+
+
+def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int) -> None:
     with LocalRedis(stream_node_max_bytes=node_bytes) as server:
-        settings = Settings.from_url(server.url, rq_results=rq_results)
+        settings = Settings.from_url(server.url, **records)
         with Producer(settings=settings, allow_unknown_models=True) as producer:
             rng = np.random.default_rng(0)
             inputs = [{"pixels": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(8)]
             producer.submit_many("digits", [inputs[i % 8] for i in range(jobs)])
         connection = settings.connect()
         connection.config_resetstat()
+        cpu_before = _cpu_seconds(connection)
         config = WorkerConfig(DIGITS, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
         build_worker(config, settings).serve(handle_signals=False)
         stats = connection.info("commandstats")
+        cpu = _cpu_seconds(connection) - cpu_before
     rows = sorted(((v["usec"] / jobs, v["calls"] / jobs, k[8:]) for k, v in stats.items()), reverse=True)
     scripts = sum(usec for usec, _, name in rows if name in ("evalsha", "eval", "fcall"))
     inside = sum(usec for usec, _, name in rows if name not in ("evalsha", "eval", "fcall", "blmove", "lmove"))
-    print(f"{jobs} digits jobs, --max-batch {max_batch}, RQ results {'on' if rq_results else 'off'}, ", end="")
+    print(f"{jobs} digits jobs, --max-batch {max_batch}, ", end="")
+    print(", ".join(f"{name} {'on' if on else 'off'}" for name, on in records.items()), end=", ")
     print(f"stream-node-max-bytes {node_bytes}: ", end="")
     print(f"the scripts {scripts:.1f} us/job,")
-    print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f}")
+    print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f};")
+    print(f"redis-server's CPU in all (INFO cpu: commands, network, the rest) {cpu / jobs * 1e6:.1f} us/job")
     for usec, calls, name in rows:
         if usec >= 0.05:
             print(f"  {name:24} {usec:7.2f} us/job {calls:6.2f} calls/job")
+
+
+def _cpu_seconds(connection: Any) -> float:
+    """redis-server's CPU time so far, user and system, all threads (``INFO cpu``)."""
+    info = connection.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 if __name__ == "__main__":

@@ -175,6 +175,13 @@ class Settings:
     #: instead, so turning it off (``ORTQ_RQ_RESULTS=0``) loses nothing they see and saves Redis ~15%
     #: of its scripts' time per small job (docs/performance.md); failures are always recorded.
     rq_results: bool = True
+    #: Workers write RQ's execution records for each job (``rq:execution:<id>:<execution>``,
+    #: ``rq:executions:<id>`` and RQ 3's ``rq:worker:<name>:executions``: what RQ's
+    #: ``job.get_executions()`` and a worker's current job in ``rq info`` and the dashboards read).
+    #: ortq's recovery finds a running job's worker in its execution id, so turning them off
+    #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views and saves Redis ~15-20% of its CPU per
+    #: small job (docs/performance.md). The started registry is written either way.
+    rq_executions: bool = True
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each
     #: takes its model's URL as its ``redis_url``). Empty: every model on ``redis_url``. Left out of

@@ -21,6 +21,8 @@ from ortq import keys
 from ortq.errors import InferenceFailed, PayloadTooLarge, QueueFull
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.rqcompat import layout
+from ortq.rqcompat.layout import QueueKeys
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.wire import encode_request
@@ -168,11 +170,15 @@ def test_the_heartbeat_goes_on_during_a_long_run(
     assert job.result(timeout=60)["y"].shape == (1, 256)
 
 
+@pytest.mark.parametrize("executions", ["1", "0"], ids=["rq-executions", "no-rq-executions"])
 def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, slower_path: Path,
-    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch, executions: str,
 ) -> None:  # fmt: skip
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "1")
+    # Without RQ's execution hashes, the survivor finds the dead worker by the tag in the job's
+    # execution id (Book.abandoned).
+    monkeypatch.setenv("ORTQ_RQ_EXECUTIONS", executions)
     workers.serve(slower_path, model_name, redis_url, 2)
     x = {"x": np.ones((1, 256), np.float32)}
     job = producer.submit(model_name, x)
@@ -181,6 +187,8 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
         time.sleep(0.02)
     victim = connection.hget(keys.job_key(job.id), "worker_name")
     assert victim is not None
+    [entry] = connection.zrange(QueueKeys.of(keys.queue_name(model_name)).started, 0, -1)
+    assert connection.exists(layout.execution_key(*entry.decode().rsplit(":", 1))) == int(executions)
     record = json.loads(connection.get(keys.worker_key(victim.decode())) or b"{}")
     killed_at = time.monotonic()
     os.kill(record["pid"], signal.SIGKILL)

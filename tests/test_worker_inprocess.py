@@ -329,19 +329,22 @@ def test_without_rq_results_a_job_is_answered_and_finished_with_no_result_record
     assert not connection.exists(layout.results_key(unrecorded))
 
 
-def test_rq_results_is_read_from_the_environment_as_a_boolean() -> None:
-    assert Settings.from_env({}).rq_results is True
-    assert Settings.from_env({"ORTQ_RQ_RESULTS": "0"}).rq_results is False
-    assert Settings.from_env({"ORTQ_RQ_RESULTS": "off"}).rq_results is False
-    assert Settings.from_env({"ORTQ_RQ_RESULTS": "True"}).rq_results is True
-    with pytest.raises(ConfigurationError, match="ORTQ_RQ_RESULTS='maybe'"):
-        Settings.from_env({"ORTQ_RQ_RESULTS": "maybe"})
+@pytest.mark.parametrize("name", ["rq_results", "rq_executions"])
+def test_rq_records_are_read_from_the_environment_as_booleans(name: str) -> None:
+    variable = "ORTQ_" + name.upper()
+    assert getattr(Settings.from_env({}), name) is True
+    assert getattr(Settings.from_env({variable: "0"}), name) is False
+    assert getattr(Settings.from_env({variable: "off"}), name) is False
+    assert getattr(Settings.from_env({variable: "True"}), name) is True
+    with pytest.raises(ConfigurationError, match=f"{variable}='maybe'"):
+        Settings.from_env({variable: "maybe"})
 
 
-def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
-    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis
+@pytest.mark.parametrize("off", [("rq_results",), ("rq_results", "rq_executions")])
+def test_a_worker_without_rq_records_answers_with_outputs_equal_to_a_direct_run(
+    tiny_path: Path, model_name: str, settings: Settings, connection: redis.Redis, off: tuple[str, ...]
 ) -> None:
-    lean = replace(settings, rq_results=False)
+    lean = replace(settings, **dict.fromkeys(off, False))
     running = Serving(make_worker(tiny_path, model_name, lean, max_batch=8, rows_independent=True))
     try:
         with Producer(settings=lean) as producer:
@@ -356,7 +359,8 @@ def test_a_worker_without_rq_results_answers_with_outputs_equal_to_a_direct_run(
         [expected] = session.run(None, given)
         np.testing.assert_allclose(got["y"], expected, rtol=1e-6)
     assert not any(connection.exists(layout.results_key(h.id)) for h in handles)
-    assert running.worker.presence.record()["rq_results"] is False  # what `ortq info` shows
+    shown = running.worker.presence.record()  # what `ortq info` shows
+    assert shown["rq_results"] is False and shown["rq_executions"] is ("rq_executions" not in off)
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 

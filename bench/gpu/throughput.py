@@ -17,7 +17,8 @@ in one run:
    job (utime+stime from /proc) and Redis's (INFO cpu; of which its scripts' time, INFO commandstats),
    so a miss says which side the time went to.
    ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
-   (``ORTQ_RQ_RESULTS``), side by side.
+   (``ORTQ_RQ_RESULTS``), side by side; ``--rq-executions on,off`` likewise for RQ's execution
+   records (``ORTQ_RQ_EXECUTIONS``); both: the four combinations.
 
 Ratios printed: ortq rows/s over direct, ortq jobs/s over the floor. Producers are not measured:
 the queue is full before the clock starts. Exit status 0 when every drain answered every job with
@@ -186,11 +187,15 @@ def floor(url: str, work: Workload, consumers: int, frame: bytes, reply_bytes: i
 # ------------------------------------------------------------------ ortq
 
 
+#: Which of RQ's records a drain's workers write: Settings.rq_results and rq_executions.
+Records = dict[str, bool]
+
+
 def start_workers(
-    url: str, model: Path, work: Workload, provider: str, count: int, rq_results: bool
+    url: str, model: Path, work: Workload, provider: str, count: int, records: Records
 ) -> list[subprocess.Popen[bytes]]:
     adapter = ["--adapter", "0"] if provider != "cpu" else []
-    env = {**os.environ, "ORTQ_RQ_RESULTS": "1" if rq_results else "0"}
+    env = {**os.environ, **{"ORTQ_" + name.upper(): str(int(on)) for name, on in records.items()}}
     return [
         subprocess.Popen(
             [
@@ -223,11 +228,11 @@ def start_workers(
     ]
 
 
-def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int, rq_results: bool) -> dict[str, Any]:
+def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int, records: Records) -> dict[str, Any]:
     settings = Settings.from_url(url)
     connection = settings.connect()
     connection.set(layout.suspended_key(), 1)
-    workers = start_workers(url, model, work, provider, count, rq_results)
+    workers = start_workers(url, model, work, provider, count, records)
     try:
         with Producer(settings=settings) as producer:
             producer.wait_for_workers(work.name, count, timeout=120)
@@ -259,7 +264,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
         connection.delete(layout.suspended_key())
     return {
         "workers": count,
-        "rq_results": rq_results,
+        **records,
         "jobs_per_s": work.jobs / seconds,
         "rows_per_s": work.jobs * work.rows_per_job / seconds,
         "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
@@ -271,7 +276,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
 
 
 def measure(
-    url: str, models: Path, work: Workload, provider: str, counts: list[int], rq_results: list[bool]
+    url: str, models: Path, work: Workload, provider: str, counts: list[int], variants: list[Records]
 ) -> dict[str, Any]:
     model = models / f"{work.model}.onnx"
     one = job_inputs(work, 0)
@@ -288,7 +293,7 @@ def measure(
     row["direct_rows_per_s"] = direct(work, model, provider)
     row["runs"] = []
     for count in counts:
-        runs = [ortq_drain(url, model, work, provider, count, recorded) for recorded in rq_results]
+        runs = [ortq_drain(url, model, work, provider, count, records) for records in variants]
         same_floor = floor(url, work, count, frame, reply_bytes)
         for run in runs:
             run["floor"] = same_floor
@@ -301,18 +306,25 @@ def measure(
 
 def report(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'workload':10} {'w':>2} {'rq':>3} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13} {'x direct':>8} "
-        f"{'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12} {'in scripts':>10}"
+        f"{'workload':10} {'w':>2} {'rq res/exe':>10} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13}",
+        f"{'x direct':>8} {'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}",
+        f"{'in scripts':>10}",
     )
     for row in rows:
         for run in row["runs"]:
             print(
-                f"{row['workload']:10} {run['workers']:>2} {'on' if run['rq_results'] else 'off':>3} "
+                f"{row['workload']:10} {run['workers']:>2} {records_label(run):>10} "
                 f"{run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
                 f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
                 f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f} "
                 f"{run['redis_scripts_us_per_job']:>10.1f}"
             )
+
+
+def records_label(run: dict[str, Any]) -> str:
+    """``on/off``: whether a drain's workers wrote RQ's result and execution records (runs from
+    before ``rq_executions`` wrote them)."""
+    return "/".join("on" if run.get(name, True) else "off" for name in ("rq_results", "rq_executions"))
 
 
 def main() -> None:
@@ -332,17 +344,27 @@ def main() -> None:
         default="on",
         help="on, off or on,off: the workers write RQ's result record per job (ORTQ_RQ_RESULTS); both: side by side",
     )
+    parser.add_argument(
+        "--rq-executions",
+        default="on",
+        help="on, off or on,off: the workers write RQ's execution records per job (ORTQ_RQ_EXECUTIONS)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     counts = [int(c) for c in args.workers.split(",")]
     chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
-    rq_results = [{"on": True, "off": False}[v] for v in args.rq_results.split(",")]
+    on_off = {"on": True, "off": False}
+    variants = [
+        {"rq_results": on_off[results], "rq_executions": on_off[executions]}
+        for results in args.rq_results.split(",")
+        for executions in args.rq_executions.split(",")
+    ]
     extra = ("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ()
     rows = []
     with LocalRedis(extra_args=extra) as server:
         for work in chosen:
             scaled = Workload(**{**work.__dict__, "jobs": max(64, int(work.jobs * args.scale))})
-            rows.append(measure(server.url, args.models, scaled, args.provider, counts, rq_results))
+            rows.append(measure(server.url, args.models, scaled, args.provider, counts, variants))
     report(rows)
     ok = all(run["outputs_close"] for row in rows for run in row["runs"])
     if args.out:

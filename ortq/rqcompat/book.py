@@ -15,6 +15,7 @@ transactions already do.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import zlib
@@ -141,14 +142,33 @@ class Retry:
 STAGED_ANSWER_BYTES = 64 * 1024
 
 
-class Book:
-    """The scripts, bound to one connection, one worker and one queue."""
+#: Workers of one queue that the recovery of orphans tells apart by their tags; past that, some
+#: are known only by their jobs' execution hashes (Settings.rq_executions).
+MAX_QUEUE_WORKERS = 10_000
 
-    def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str) -> None:
+#: Hex digits of an execution id that name its worker (``execution_tag``); the rest are random.
+TAG_DIGITS = 12
+
+
+def execution_tag(worker_name: str) -> str:
+    """The first hex digits of every execution id a worker of this name makes: how the recovery
+    of orphans finds which worker runs a started job with no execution hash to say so
+    (Settings.rq_executions off, or the hash deleted). A worker restarted under its old name has
+    its old tag: its earlier life's jobs are its own orphans."""
+    return hashlib.blake2b(worker_name.encode(), digest_size=TAG_DIGITS // 2).hexdigest()
+
+
+class Book:
+    """The scripts, bound to one connection, one worker and one queue; with ``executions``
+    (Settings.rq_executions), RQ's execution records of each job are written too."""
+
+    def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str, executions: bool = True) -> None:
         self.connection = connection
         self.worker_name = worker_name
         self.queue = QueueKeys.of(queue_name)
-        self._common = [layout.PREFIX, "3" if layout.RQ3 else "2", keys.PREFIX, layout.DEFAULT_WORKER_TTL + 60]
+        self.tag = execution_tag(worker_name)
+        records = ("3" if layout.RQ3 else "2") + ("e" if executions else "")
+        self._common: list[str | int] = [layout.PREFIX, records, keys.PREFIX, layout.DEFAULT_WORKER_TTL + 60]
         self._scripts = {
             name: connection.register_script(script_source(name))
             for name in ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain")
@@ -168,9 +188,12 @@ class Book:
         start's moment and the replies to ``beside``'s commands. The request frames of those others
         come back in the reply when at most ``inline`` bytes."""
         moment = utcnow()
-        # RQ's execution ids (uuid4().hex there): 32 random hex digits each, one read of the
-        # system's random source for all of them, sent as one argument (start.lua cuts it).
-        executions = os.urandom(16 * (bool(first_id) + more)).hex()
+        # RQ's execution ids (uuid4().hex there) are 32 random hex digits; ortq's are 32 hex digits
+        # too: the worker's tag, then random ones (one read of the system's random source for all
+        # of them), sent as one argument (start.lua cuts it).
+        count, width = bool(first_id) + more, 32 - TAG_DIGITS
+        randoms = os.urandom(width // 2 * count).hex()
+        executions = "".join([self.tag + randoms[i : i + width] for i in range(0, width * count, width)])
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL]
         reply, others = self._pipelined("start", [*args, more, inline, first_id, executions], after=beside)
         return reply, moment, others
@@ -336,7 +359,11 @@ class Book:
         no heartbeat for ``dead_after`` seconds (or whose records are gone). With ``own``, this
         worker's own entries count too, but for those it holds (``held``: execution ids): a
         started job of its own that it does not hold is one whose start reply was lost. At most
-        ``limit`` entries are looked at per call."""
+        ``limit`` entries are looked at per call.
+
+        A job's worker is the one of this queue's registered workers whose tag begins its
+        execution id (``execution_tag``); failing that (a job started by an ortq from before
+        tags), the one its execution hash names, where there is one."""
         started = self.queue.started
         if keys.as_text(self.connection.type(started)) != "zset":
             return []
@@ -345,19 +372,23 @@ class Book:
         parsed = [(j, e) for j, e in parsed if is_job_id(j) and is_job_id(e)]
         if not parsed:
             return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id, execution in parsed:
-                pipe.hget(layout.execution_key(job_id, execution), "worker_name")
-            owners = [None if w is None else keys.as_text(w) for w in pipe.execute(raise_on_error=False)]
-        names = sorted({w for w in owners if isinstance(w, str) and w != self.worker_name})
+        tags = {execution_tag(name): name for name in [self.worker_name, *self._queue_workers()]}
+        owners: list[str | None] = [tags.get(execution[:TAG_DIGITS]) for _, execution in parsed]
+        untagged = [i for i, owner in enumerate(owners) if owner is None]
+        if untagged:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for i in untagged:
+                    pipe.hget(layout.execution_key(*parsed[i]), "worker_name")
+                for i, name in zip(untagged, pipe.execute(raise_on_error=False), strict=True):
+                    owners[i] = keys.as_text(name) if isinstance(name, bytes) else None
+        names = sorted({w for w in owners if w is not None and w != self.worker_name})
         with self.connection.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hget(layout.worker_key(name), "last_heartbeat")
             beats = dict(zip(names, pipe.execute(raise_on_error=False), strict=True))
         now = utcnow()
         found = []
-        for (job_id, execution), raw_owner in zip(parsed, owners, strict=True):
-            owner = raw_owner if isinstance(raw_owner, str) else None
+        for (job_id, execution), owner in zip(parsed, owners, strict=True):
             if owner == self.worker_name:
                 if own and execution not in held:
                     found.append((job_id, execution, owner))
@@ -367,3 +398,12 @@ class Book:
             if last is None or (now - last).total_seconds() > dead_after:
                 found.append((job_id, execution, owner or "?"))
         return found
+
+    def _queue_workers(self) -> list[str]:
+        """Names of the workers in this queue's RQ registration set (at most ``MAX_QUEUE_WORKERS``)."""
+        workers = self.queue.workers
+        if keys.as_text(self.connection.type(workers)) != "set":
+            return []
+        members = cast(list[bytes], self.connection.srandmember(workers, MAX_QUEUE_WORKERS) or [])
+        prefix = layout.worker_key("")
+        return [name[len(prefix) :] for name in map(keys.as_text, members) if name.startswith(prefix)]

@@ -22,10 +22,14 @@ log = logging.getLogger("ortq.worker")
 
 
 class WorkerRecords:
-    """RQ's records of one worker on one queue."""
+    """RQ's records of one worker on one queue; with ``executions`` (Settings.rq_executions), its
+    jobs' execution records are among them."""
 
-    def __init__(self, name: str, queue_name: str, ttl: int = layout.DEFAULT_WORKER_TTL) -> None:
+    def __init__(
+        self, name: str, queue_name: str, ttl: int = layout.DEFAULT_WORKER_TTL, executions: bool = True
+    ) -> None:
         self.name = name
+        self.executions = executions
         self.queue = layout.QueueKeys.of(queue_name)
         self.key = layout.worker_key(name)
         self.executions_key = layout.worker_executions_key(name)
@@ -76,8 +80,9 @@ class WorkerRecords:
             client.hdel(self.key, "current_job")
 
     def queue_heartbeat(self, pipe: Any, running: Sequence[StartedJob]) -> int:
-        """Queue on ``pipe`` RQ's heartbeat of the worker and of each running job (execution hash,
-        started registry, the job's executions, its ``last_heartbeat``), and the worker's place in
+        """Queue on ``pipe`` RQ's heartbeat of the worker and of each running job (its started
+        registry entry, its ``last_heartbeat``, and with ``executions`` its execution hash and the
+        job's executions), and the worker's place in
         RQ's sets of workers (no-ops, unless someone removed it); returns the index of the worker's
         HSET in the pipeline, for ``after_heartbeat``."""
         moment = utcnow()
@@ -85,18 +90,19 @@ class WorkerRecords:
         index = len(pipe)
         pipe.hset(self.key, "last_heartbeat", stamp)
         pipe.expire(self.key, self.ttl)
-        if layout.RQ3:
+        if layout.RQ3 and self.executions:
             pipe.expire(self.executions_key, self.ttl)
         for job in running:
             composite = f"{job.job_id}:{job.execution_id}"
             deadline = int(moment.timestamp()) + job.ttl
-            execution = layout.execution_key(job.job_id, job.execution_id)
-            pipe.hset(execution, "last_heartbeat", moment.timestamp())
-            pipe.expire(execution, job.ttl)
             pipe.zadd(self.queue.started, {composite: deadline}, xx=True)
-            pipe.zadd(f"{layout.PREFIX}:executions:{job.job_id}", {job.execution_id: deadline + 60}, xx=True)
-            pipe.expire(f"{layout.PREFIX}:executions:{job.job_id}", job.ttl + 60)
             pipe.hset(layout.job_key(job.job_id), "last_heartbeat", stamp)
+            if self.executions:
+                execution = layout.execution_key(job.job_id, job.execution_id)
+                pipe.hset(execution, "last_heartbeat", moment.timestamp())
+                pipe.expire(execution, job.ttl)
+                pipe.zadd(f"{layout.PREFIX}:executions:{job.job_id}", {job.execution_id: deadline + 60}, xx=True)
+                pipe.expire(f"{layout.PREFIX}:executions:{job.job_id}", job.ttl + 60)
         pipe.sadd(layout.workers_key(), self.key)
         pipe.sadd(self.queue.workers, self.key)
         return index
@@ -107,11 +113,12 @@ class WorkerRecords:
         """What RQ's ``maintain_heartbeats`` does after its pipeline: an HSET that created a hash
         means the hash had expired or been deleted. A job's hash made that way is deleted again;
         the worker's own is written whole again, with its TTL."""
-        offset = index + (3 if layout.RQ3 else 2)
-        stale_jobs = [job.job_id for i, job in enumerate(running) if results[offset + 6 * i + 5] == 1]
+        offset = index + (3 if layout.RQ3 and self.executions else 2)
+        per_job = 6 if self.executions else 2  # queue_heartbeat's commands a job; the job hash's HSET 2nd
+        stale_jobs = [job.job_id for i, job in enumerate(running) if results[offset + per_job * i + 1] == 1]
         # An error: the worker's key holds something else (written by someone else): it is replaced.
         recreated = results[index] == 1 or isinstance(results[index], Exception)
-        sets = offset + 6 * len(running)
+        sets = offset + per_job * len(running)
         if any(isinstance(r, Exception) for r in results[sets : sets + 2]):
             self.register(connection)  # replaces a set of the wrong type
         if not stale_jobs and not recreated:
@@ -135,7 +142,7 @@ class WorkerRecords:
             pipe.srem(self.queue.workers, self.key)
             pipe.hset(self.key, "death", utcformat(utcnow()))
             pipe.expire(self.key, 60)
-            if layout.RQ3:
+            if layout.RQ3:  # also after a life with rq_executions on under the same name
                 pipe.delete(self.executions_key)
             pipe.execute(raise_on_error=False)  # a registration set of the wrong type changes nothing here
 

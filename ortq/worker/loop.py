@@ -71,7 +71,7 @@ class Worker:
         self.queue_name = keys.queue_name(identity.model)
         self.connection = settings.connect()
         self.presence = Presence(name, self.queue_name, identity, model.signature, settings)
-        self.upkeep = Upkeep(Book(self.connection, name, self.queue_name), settings)
+        self.upkeep = Upkeep(self._book(self.connection), settings)
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
         self.stop_requested = threading.Event()
         self._beat_upkeep: Upkeep | None = None
@@ -80,16 +80,20 @@ class Worker:
         self.feeder = Feeder(
             self.threads,
             settings,
-            Book(settings.connect(check=False), name, self.queue_name),
+            self._book(settings.connect(check=False)),
             self.presence,
             max_batch,
             max_wait_ms / 1000,
             burst,
         )
-        answering = Book(settings.connect(check=False), name, self.queue_name)
+        answering = self._book(settings.connect(check=False))
         self.replier = Replier(self.threads, answering, self.presence, lambda: self.metrics)
         self._fed_out = False  # the feeder's END has been seen
         self._unanswered: list[StartedJob] = []  # the batch in hand when the device was lost
+
+    def _book(self, connection: redis.Redis) -> Book:
+        """The scripts on ``connection``, for this worker and queue."""
+        return Book(connection, self.name, self.queue_name, executions=self.settings.rq_executions)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,7 +166,7 @@ class Worker:
 
     def _upkeep_beside(self, connection: redis.Redis) -> None:
         if self._beat_upkeep is None or self._beat_upkeep.book.connection is not connection:
-            self._beat_upkeep = Upkeep(Book(connection, self.name, self.queue_name), self.settings)
+            self._beat_upkeep = Upkeep(self._book(connection), self.settings)
         self._beat_upkeep.run()
 
     # ------------------------------------------------------------------ the loop

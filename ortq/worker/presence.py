@@ -37,7 +37,7 @@ class Presence:
         self.identity = identity
         self.signature = signature
         self.settings = settings
-        self.records = WorkerRecords(name, queue_name)
+        self.records = WorkerRecords(name, queue_name, executions=settings.rq_executions)
         self.state = "started"
         self._signature_json = json.dumps({"model": identity.model, **signature.to_json()})
         #: The jobs the worker holds (started, not yet answered), by execution id.

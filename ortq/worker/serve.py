@@ -241,6 +241,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
             "rq_results": settings.rq_results,
+            "rq_executions": settings.rq_executions,
         },
     )
     name = config.worker_name or config.default_worker_name()

@@ -3,10 +3,12 @@
 -- is clamped before it reaches EXPIRE or arithmetic, and a key ortq is about to write that holds
 -- the wrong type is removed first, so that no command in a script can fail halfway.
 --
--- ARGV[1]: RQ's key prefix (`rq`, or RQ 3's RQ_KEY_PREFIX); ARGV[2]: '3' for RQ 3's records;
--- ARGV[3]: ortq's key prefix (`ortq:`); ARGV[4]: the TTL of an idle worker's hash (RQ's worker_ttl
--- + 60). Script arguments follow from ARGV[5].
-local PREFIX, RQ3, ORTQ, WORKER_TTL = ARGV[1], ARGV[2] == '3', ARGV[3], tonumber(ARGV[4])
+-- ARGV[1]: RQ's key prefix (`rq`, or RQ 3's RQ_KEY_PREFIX); ARGV[2]: which of RQ's records: the
+-- RQ series ('2' or '3': RQ 3's), then 'e' when each job's execution records are written
+-- (Settings.rq_executions), e.g. '3e'; ARGV[3]: ortq's key prefix (`ortq:`); ARGV[4]: the TTL of an
+-- idle worker's hash (RQ's worker_ttl + 60). Script arguments follow from ARGV[5].
+local PREFIX, ORTQ, WORKER_TTL = ARGV[1], ARGV[3], tonumber(ARGV[4])
+local RQ3, EXECUTIONS = string.sub(ARGV[2], 1, 1) == '3', string.sub(ARGV[2], 2, 2) == 'e'
 local YEAR = 31536000
 
 local function kind(key)

@@ -34,7 +34,7 @@ if type(scores) == 'table' and not scores.err then
       -- the execution hash deleted: one DEL
       if not staged then table.insert(gone, ORTQ .. 'reply:' .. id) end
       table.insert(gone, ORTQ .. 'req:' .. id)
-      table.insert(gone, PREFIX .. ':execution:' .. composites[j])
+      if EXECUTIONS then table.insert(gone, PREFIX .. ':execution:' .. composites[j]) end
     end
   end
 end
@@ -72,13 +72,13 @@ for _, j in ipairs(live) do
   table.insert(finished, ended_whole + ttl)
   table.insert(finished, id)
   table.insert(index, composites[j])
-  remove('ZREM', PREFIX .. ':executions:' .. id, execution)
+  if EXECUTIONS then remove('ZREM', PREFIX .. ':executions:' .. id, execution) end
 end
 if #live > 0 then
   -- What RQ writes per job, written once for the batch.
   each_chunk(write, {'ZADD', PREFIX .. ':finished:' .. queue}, finished)
   each_chunk(remove, {'ZREM', wip_key(queue)}, index)
-  if RQ3 then each_chunk(remove, {'SREM', worker_key(worker) .. ':executions'}, index) end
+  if RQ3 and EXECUTIONS then each_chunk(remove, {'SREM', worker_key(worker) .. ':executions'}, index) end
 end
 worker_done(worker, 'successful_job_count', #live, working, ARGV[7])
 return #live

@@ -1,6 +1,7 @@
 -- Start the job ARGV[12] (already moved to the intermediate list by BLMOVE) and pop and start up
--- to ARGV[10] more from the queue, in order: RQ's "started" records for each (execution, started
--- registry, worker hash, job hash), as RQ's prepare_execution + prepare_job_execution write them.
+-- to ARGV[10] more from the queue, in order: RQ's "started" records for each (execution, unless
+-- EXECUTIONS is off; started registry, worker hash, job hash), as RQ's prepare_execution +
+-- prepare_job_execution write them.
 -- With ARGV[12] empty, pop up to ARGV[10] jobs from the queue and start them, no BLMOVE before: a
 -- worker whose last start left a backlog takes the next batch in one round trip.
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
@@ -32,7 +33,7 @@ local started, skipped = {}, {}
 -- The registries every job of this call is added to: checked once here, and written once for all
 -- of them at the end (one call each, not one a job).
 own(wip, 'zset')
-if RQ3 then own(index, 'set') end
+if RQ3 and EXECUTIONS then own(index, 'set') end
 local longest, last_ttl, wip_entries, index_members = 0, 0, {}, {}
 
 local function skip(id, why)
@@ -74,20 +75,22 @@ local function start(id, execution)
   if timeout > 0 then ttl = math.ceil(math.min(timeout, YEAR)) + 60 end
   longest = math.max(longest, ttl)
   local composite = id .. ':' .. execution
-  local ekey = PREFIX .. ':execution:' .. composite  -- a fresh random id: no one else's key
-  if RQ3 then
-    redis.call('HSET', ekey, 'id', execution, 'job_id', id, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7],
-               'worker_name', worker)
-  else
-    redis.call('HSET', ekey, 'id', execution, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7], 'worker_name', worker)
+  if EXECUTIONS then  -- RQ's execution records (Settings.rq_executions)
+    local ekey = PREFIX .. ':execution:' .. composite  -- a fresh random id: no one else's key
+    if RQ3 then
+      redis.call('HSET', ekey, 'id', execution, 'job_id', id, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7],
+                 'worker_name', worker)
+    else
+      redis.call('HSET', ekey, 'id', execution, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7], 'worker_name', worker)
+    end
+    redis.call('EXPIRE', ekey, ttl)
+    local executions = PREFIX .. ':executions:' .. id
+    write('ZADD', executions, math.floor(now) + ttl + 60, execution)
+    redis.call('EXPIRE', executions, ttl + 60)
   end
-  redis.call('EXPIRE', ekey, ttl)
-  local executions = PREFIX .. ':executions:' .. id
-  write('ZADD', executions, math.floor(now) + ttl + 60, execution)
-  redis.call('EXPIRE', executions, ttl + 60)
   table.insert(wip_entries, math.floor(now) + ttl)
   table.insert(wip_entries, composite)
-  table.insert(index_members, composite)
+  if EXECUTIONS then table.insert(index_members, composite) end
   last_ttl = ttl
   redis.call('HSET', job, 'last_heartbeat', now_iso, 'status', 'started', 'started_at', now_iso, 'worker_name', worker)
   redis.call('PERSIST', job)
@@ -119,7 +122,7 @@ if kind(queue) == 'list' then
 end
 if #wip_entries > 0 then
   each_chunk(redis.call, {'ZADD', wip}, wip_entries)
-  if RQ3 then
+  if #index_members > 0 and RQ3 then
     each_chunk(redis.call, {'SADD', index}, index_members)
     -- Execution.create gives it ttl + 60, then the worker heartbeat of prepare_job_execution ttl:
     -- the last job's, as when each job's start set it.

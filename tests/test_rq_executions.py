@@ -1,0 +1,155 @@
+"""Workers without RQ's execution records (``Settings.rq_executions`` off, ``ORTQ_RQ_EXECUTIONS=0``):
+what the scripts and heartbeats then write, how the recovery of orphans still tells a live worker's
+jobs from a dead one's (the worker's tag at the head of each execution id), and RQ's own tools on
+such records. Marked rqcompat: run against both RQ series."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import redis
+from rq import Queue, Worker
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+
+from ortq import keys, wire
+from ortq.rqcompat import layout
+from ortq.rqcompat.book import TAG_DIGITS, Book, Finished, StartedJob, execution_tag
+from ortq.rqcompat.layout import utcformat, utcnow
+from ortq.rqcompat.records import WorkerRecords
+from tests.test_worker_inprocess import push, start
+
+pytestmark = pytest.mark.rqcompat
+
+
+def lean_worker(connection: redis.Redis, model_name: str) -> tuple[Book, WorkerRecords]:
+    """A registered worker's scripts and records, with rq_executions off."""
+    name = f"lean-{uuid.uuid4().hex[:8]}"
+    records = WorkerRecords(name, keys.queue_name(model_name), executions=False)
+    records.register_birth(connection)
+    return Book(connection, name, keys.queue_name(model_name), executions=False), records
+
+
+def execution_records(connection: redis.Redis, job: StartedJob, worker: str) -> list[int]:
+    """Which of RQ's execution records of ``job`` exist: its hash, the job's executions, and its
+    entry in RQ 3's index of the worker's executions."""
+    composite = f"{job.job_id}:{job.execution_id}"
+    return [
+        connection.exists(layout.execution_key(job.job_id, job.execution_id)),
+        connection.exists(f"{layout.PREFIX}:executions:{job.job_id}"),
+        int(bool(connection.sismember(layout.worker_executions_key(worker), composite))),
+    ]
+
+
+@pytest.mark.parametrize("executions", [True, False])
+def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_either_way(
+    connection: redis.Redis, model_name: str, executions: bool
+) -> None:
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    records = WorkerRecords(name, keys.queue_name(model_name), executions=executions)
+    records.register_birth(connection)
+    book = Book(connection, name, keys.queue_name(model_name), executions=executions)
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    [job], _ = start(connection, book)
+    assert job.execution_id.startswith(execution_tag(name)) and len(job.execution_id) == 32
+    written = [1, 1, 1 if layout.RQ3 else 0] if executions else [0, 0, 0]
+    assert execution_records(connection, job, name) == written
+    assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") is not None
+
+    # A heartbeat refreshes what there is and creates nothing more.
+    connection.zadd(book.queue.started, {f"{job_id}:{job.execution_id}": 1})
+    with connection.pipeline(transaction=False) as pipe:
+        index = records.queue_heartbeat(pipe, [job])
+        results = pipe.execute(raise_on_error=False)
+    records.after_heartbeat(connection, results, index, [job])
+    assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") > 1  # type: ignore[operator]
+    assert connection.exists(keys.job_key(job_id))  # not taken for a hash the heartbeat recreated
+    assert execution_records(connection, job, name) == written
+
+    response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
+    assert book.finish([Finished(job, response, 60, None)]) == 1
+    assert connection.xrange(keys.reply_key(job_id))[0][1][b"frame"] == response
+    assert connection.hget(keys.job_key(job_id), "status") == b"finished"
+    assert execution_records(connection, job, name) == [0, 0, 0]
+    assert connection.zcard(book.queue.started) == 0
+
+
+def test_a_heartbeat_deletes_a_job_hash_it_recreated_without_execution_records(
+    connection: redis.Redis, model_name: str
+) -> None:
+    book, records = lean_worker(connection, model_name)
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    [job], _ = start(connection, book)
+    connection.delete(keys.job_key(job_id))  # expired or deleted while the job ran
+    with connection.pipeline(transaction=False) as pipe:
+        index = records.queue_heartbeat(pipe, [job])
+        results = pipe.execute(raise_on_error=False)
+    records.after_heartbeat(connection, results, index, [job])
+    assert not connection.exists(keys.job_key(job_id))
+
+
+def beat_at(connection: redis.Redis, records: WorkerRecords, seconds_ago: float) -> None:
+    connection.hset(records.key, "last_heartbeat", utcformat(utcnow() - timedelta(seconds=seconds_ago)))
+
+
+def test_the_recovery_finds_a_jobs_worker_by_the_tag_in_its_execution_id(
+    connection: redis.Redis, model_name: str
+) -> None:
+    owner_book, owner = lean_worker(connection, model_name)
+    other_book, _ = lean_worker(connection, model_name)
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    [job], _ = start(connection, owner_book)
+    taken = (job_id, job.execution_id, owner.name)
+
+    # Its worker beats: no one else takes the job, whatever its records say.
+    beat_at(connection, owner, 1)
+    assert other_book.abandoned(dead_after=30, own=True) == []
+    # Its own worker takes it back only when it no longer holds it (a start whose reply was lost).
+    assert owner_book.abandoned(dead_after=30, own=True, held=frozenset({job.execution_id})) == []
+    assert owner_book.abandoned(dead_after=30, own=True) == [taken]
+    # Its worker's heartbeat stopped: the others take it back, naming it.
+    beat_at(connection, owner, 60)
+    assert other_book.abandoned(dead_after=30, own=False) == [taken]
+    # Its worker's hash is gone too (expired): still that worker's job, dead.
+    connection.delete(owner.key)
+    assert other_book.abandoned(dead_after=30, own=False) == [taken]
+
+
+def test_a_job_without_the_tag_of_a_registered_worker_is_owned_by_its_execution_hash_else_by_no_one(
+    connection: redis.Redis, model_name: str
+) -> None:
+    """Jobs started by an ortq from before tags (random execution ids), during a rolling upgrade."""
+    book, alive = lean_worker(connection, model_name)
+    beat_at(connection, alive, 1)
+    queue = book.queue
+    hashed, bare = (str(uuid.uuid4()), uuid.uuid4().hex), (str(uuid.uuid4()), uuid.uuid4().hex)
+    for job_id, execution in (hashed, bare):
+        connection.zadd(queue.started, {f"{job_id}:{execution}": 1e10})
+    connection.hset(layout.execution_key(*hashed), "worker_name", alive.name)
+    assert execution_tag(alive.name) != hashed[1][:TAG_DIGITS]
+    observer = Book(connection, "observer", queue.name, executions=False)
+    assert observer.abandoned(dead_after=30, own=False) == [(*bare, "?")]
+
+
+def test_rqs_own_tools_read_a_lean_workers_records(connection: redis.Redis, model_name: str) -> None:
+    book, records = lean_worker(connection, model_name)
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    start(connection, book)
+    queue_name = keys.queue_name(model_name)
+    registry = StartedJobRegistry(queue_name, connection=connection)
+    assert registry.get_job_ids() == [job_id]
+    fetched = Job.fetch(job_id, connection=connection)
+    assert fetched.get_status() == "started"
+    assert fetched.worker_name == records.name
+    [worker] = [w for w in Worker.all(queue=Queue(queue_name, connection=connection)) if w.name == records.name]
+    # RQ 3 finds a worker's current job in its index of executions (not written); RQ 2 in the worker hash.
+    assert worker.get_current_job_id() == (None if layout.RQ3 else job_id)
+    registry.cleanup(timestamp=1e12)  # RQ's cleanup of an expired entry needs no execution record
+    assert fetched.get_status() == "failed"

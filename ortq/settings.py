@@ -179,8 +179,8 @@ class Settings:
     #: ``rq:executions:<id>`` and RQ 3's ``rq:worker:<name>:executions``: what RQ's
     #: ``job.get_executions()`` and a worker's current job in ``rq info`` and the dashboards read).
     #: ortq's recovery finds a running job's worker in its execution id, so turning them off
-    #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views and saves Redis ~15-20% of its CPU per
-    #: small job (docs/performance.md). The started registry is written either way.
+    #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views and saves Redis 10-40% of its CPU per
+    #: small job (docs/performance.md, sixth pass). The started registry is written either way.
     rq_executions: bool = True
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each

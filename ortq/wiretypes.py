@@ -106,6 +106,8 @@ def as_wire_array(name: str, value: object) -> NDArray[Any]:
         arr = np.asarray(value)
     except (ValueError, TypeError) as exc:  # ragged nested lists and the like
         raise InvalidInput(f"tensor {name!r} cannot be converted to an array: {exc}") from exc
+    if arr.ndim > MAX_DIMS:  # what every decoder refuses, refused before it is sent
+        raise InvalidInput(f"tensor {name!r} has {arr.ndim} dimensions; a frame carries at most {MAX_DIMS}")
     try:
         wire = WIRE_DTYPES[dtype_name(arr.dtype)]
     except UnsupportedDtype:

@@ -19,6 +19,7 @@ from ortq.errors import InvalidInput, PayloadTooLarge, UnsupportedDtype, WireFor
 from ortq.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAGIC,
+    MAX_DIMS,
     MAX_HEADER_BYTES,
     SUPPORTED_DTYPES,
     WIRE_VERSION,
@@ -307,6 +308,16 @@ def test_unsupported_dtypes_rejected(value: Any) -> None:
     assert "float32" in message and "uint64" in message
     with pytest.raises(UnsupportedDtype, match="'out'"):
         encode_response({"out": value})
+
+
+def test_tensors_of_more_dimensions_than_a_decoder_takes_are_refused_when_encoded() -> None:
+    ok = np.zeros((1,) * MAX_DIMS, np.float32)
+    assert decode_request(encode_request({"x": ok})).inputs["x"].shape == ok.shape
+    deep = np.zeros((1,) * (MAX_DIMS + 1), np.float32)
+    with pytest.raises(InvalidInput, match=f"'x' has {MAX_DIMS + 1} dimensions"):
+        encode_request({"x": deep})
+    with pytest.raises(InvalidInput, match=f"'y' has {MAX_DIMS + 1} dimensions"):
+        encode_response({"y": deep})
 
 
 def test_dtype_name() -> None:

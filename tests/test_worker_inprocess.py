@@ -27,7 +27,10 @@ from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Finished, Skipped, StartedJob
+from ortq.rqcompat.layout import utcnow
+from ortq.rqjob import JobRecord
 from ortq.settings import Settings
+from ortq.worker import jobs
 from ortq.worker.loop import Worker
 from ortq.worker.serve import WorkerConfig, build_worker
 from tests import onnx_models
@@ -152,6 +155,23 @@ def test_a_failed_job_is_answered_and_the_worker_goes_on(serving: Serving, produ
         Producer(settings=producer.settings, validate=False).infer(model_name, {"x": np.ones((1, 5), np.float32)})
     producer.infer(model_name, X, timeout=10)
     assert serving.status is None  # still serving
+
+
+def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(settings: Settings) -> None:
+    """The replier encodes each job's answer on its own (jobs.Computed.answer): one whose outputs
+    no frame can carry becomes that job's failure, and the others of its run are answered."""
+    fields = job_fields("m")
+    started = [StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), 0) for i in range(2)]
+    members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"n" * 16) for s in started]
+    good = {"y": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    deep = {"y": np.zeros((1,) * (wire.MAX_DIMS + 1), np.float32)}
+    answered, failed = (
+        jobs.Computed(m, out, 0.001, 2, 60).answer(settings) for m, out in zip(members, (good, deep), strict=True)
+    )
+    assert isinstance(answered, Finished)
+    np.testing.assert_array_equal(wire.decode_response(answered.frame).outputs["y"], good["y"])
+    assert isinstance(failed, jobs.Failure) and failed.error_type == "InvalidInput" and failed.retry is None
+    assert "dimensions" in wire.decode_response(failed.error).error.message  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ the scripts, one by one

@@ -129,6 +129,27 @@ def failure(
     return Failure(started, error_type, error, ttl_of(job.failure_ttl, settings.failure_ttl), reason, retry, timings)
 
 
+@dataclass(slots=True)
+class Computed:
+    """A job's outputs from its run, whose answer (stage 6) the replier encodes: off the main
+    thread, so that it runs while the next ``Run`` holds no GIL."""
+
+    member: Pending
+    outputs: dict[str, np.ndarray]
+    run: float
+    batch_size: int
+    ttl: int
+
+    def answer(self, settings: Settings) -> Finished | Failure:
+        """Its response and RQ's result summary; its Failure when the outputs cannot be encoded
+        (a frame header past the wire format's limit), which fails this job alone."""
+        member = self.member
+        try:
+            return finished(member, self.outputs, self.run, self.batch_size, self.ttl, settings.rq_results)
+        except Exception as exc:
+            return failure(member.started, member.job, exc, {**member.timings, "run": self.run}, member.nonce, settings)
+
+
 def finished(
     member: Pending, outputs: dict[str, np.ndarray], run: float, batch_size: int, ttl: int, rq_result: bool = True
 ) -> Finished:

@@ -87,7 +87,7 @@ class Worker:
             burst,
         )
         answering = self._book(settings.connect(check=False))
-        self.replier = Replier(self.threads, answering, self.presence, lambda: self.metrics)
+        self.replier = Replier(self.threads, settings, answering, self.presence, lambda: self.metrics)
         self._fed_out = False  # the feeder's END has been seen
         self._unanswered: list[StartedJob] = []  # the batch in hand when the device was lost
 
@@ -218,7 +218,7 @@ class Worker:
                 # held (not taken back as orphans meanwhile) until _loop gives them back.
                 self.threads.device_lost.set()
                 self.stop_requested.set()
-                answered = [a.started for a in outcome.finished] + [f.started for f in outcome.failures]
+                answered = [c.member.started for c in outcome.computed] + [f.started for f in outcome.failures]
                 ids = {job.execution_id for job in answered}
                 self._unanswered = [t.started for t in batch.taken if t.started.execution_id not in ids]
                 outcome.held = answered
@@ -269,10 +269,10 @@ class Worker:
         run = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.batch_ran(len(members))
-        result_ttl, size, rq_result = self.settings.result_ttl, len(members), self.settings.rq_results
+        result_ttl, size = self.settings.result_ttl, len(members)
         for member, outputs_of_job in zip(members, per_job, strict=True):
             ttl = jobs.ttl_of(member.job.result_ttl, result_ttl)
-            outcome.finished.append(jobs.finished(member, outputs_of_job, run, size, ttl, rq_result))
+            outcome.computed.append(jobs.Computed(member, outputs_of_job, run, size, ttl))
 
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
         return jobs.failure(member.started, member.job, exc, member.timings, member.nonce, self.settings)

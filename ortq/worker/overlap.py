@@ -1,9 +1,10 @@
 """The two threads that keep the session busy: while the main thread checks and runs a batch (ONNX
 Runtime releases the GIL in ``Run``), the **feeder** already takes and reads the next one, and the
-**replier** answers the previous one. Only the main thread calls ``Run``: still one session, one
-``Run`` at a time. The main thread checks each batch (decode, the model's signature) itself: the
-feeder then spends its time in Redis round trips, and its start script is on its way while the
-main thread still works on the batch before (under the GIL, one thread computes at a time).
+**replier** encodes the previous one's answers and writes them. Only the main thread calls
+``Run``: still one session, one ``Run`` at a time. The main thread checks each batch (decode, the
+model's signature) itself: the feeder then spends its time in Redis round trips, and its start
+script is on its way while the main thread still works on the batch before (under the GIL, one
+thread computes at a time).
 
 At most one batch waits beside the one running, and a second only while the queue has a backlog
 (the last start left jobs on it; ``Slots``): a worker takes no more jobs than it is about to run,
@@ -40,10 +41,10 @@ MAX_UNEXPECTED = 5
 
 @dataclass
 class Outcome:
-    """What a batch came to, for the replier: answers, failures, and every job it held."""
+    """What a batch came to, for the replier: outputs to answer with, failures, and every job it held."""
 
     held: list[StartedJob]
-    finished: list[Finished] = field(default_factory=list)
+    computed: list[jobs.Computed] = field(default_factory=list)
     failures: list[jobs.Failure] = field(default_factory=list)
 
 
@@ -247,12 +248,18 @@ class Feeder:
 
 
 class Replier:
-    """The reply and book-keep stages, on a thread of their own."""
+    """The encode, reply and book-keep stages, on a thread of their own."""
 
     def __init__(
-        self, threads: Threads, book: Book, presence: Presence, metrics: Callable[[], WorkerMetrics | None]
+        self,
+        threads: Threads,
+        settings: Settings,
+        book: Book,
+        presence: Presence,
+        metrics: Callable[[], WorkerMetrics | None],
     ) -> None:
         self.threads = threads
+        self.settings = settings
         self.book = book
         self.presence = presence
         self.metrics = metrics
@@ -279,9 +286,17 @@ class Replier:
             self.presence.release(outcome.held)
 
     def _answer(self, outcome: Outcome, book: Book) -> None:
-        for failure in outcome.failures:
+        finished: list[Finished] = []
+        failures = outcome.failures
+        for computed in outcome.computed:  # stage 6: encoded here, while the main thread runs the next batch
+            answer = computed.answer(self.settings)
+            if isinstance(answer, Finished):
+                finished.append(answer)
+            else:
+                failures = [*failures, answer]
+        for failure in failures:
             self._fail(failure, book)
-        finished, presence = outcome.finished, self.presence
+        presence = self.presence
         # Whether these are the last jobs held is known only with no start in flight (an "idle"
         # must not land after its "busy"). A start in flight is not waited for: its jobs keep the
         # worker busy (and if it took none, the feeder writes "idle" before its next take).

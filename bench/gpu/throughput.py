@@ -22,7 +22,8 @@ in one run:
 
 Ratios printed: ortq rows/s over direct, ortq jobs/s over the floor. Producers are not measured:
 the queue is full before the clock starts. Exit status 0 when every drain answered every job with
-outputs equal to a direct run on the same inputs.
+outputs that agree with a direct CPU run on the same inputs, by the worker's own canary rule
+(``compare_with_cpu``; checked on every 1/200th job).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ import onnxruntime as ort
 import redis
 
 from ortq import keys, wire
+from ortq.errors import CanaryMismatch
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
 from ortq.settings import Settings
+from ortq.worker.session import compare_with_cpu
 
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 TICK = os.sysconf("SC_CLK_TCK")
@@ -252,10 +255,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
             session = session_for(model, "cpu")
             want = [session.run(None, x)[0] for x in inputs]
             checked = producer.results([jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))], timeout=60)
-            worst = max(
-                float(np.max(np.abs(next(iter(out.values())) - want[(i * max(1, work.jobs // 200)) % 8])))
-                for i, out in enumerate(checked)
-            )
+            worst, close = agreement(checked, [want[(i * max(1, work.jobs // 200)) % 8] for i in range(len(checked))])
     finally:
         for worker in workers:
             worker.terminate()
@@ -271,8 +271,23 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
         "redis_cpu_us_per_job": 1e6 * redis_spent / work.jobs,
         "redis_scripts_us_per_job": scripts_spent / work.jobs,
         "max_abs_diff_vs_cpu": worst,
-        "outputs_close": worst < 1e-3,
+        "outputs_close": close,
     }
+
+
+def agreement(got: list[dict[str, np.ndarray]], want: list[np.ndarray]) -> tuple[float, bool]:
+    """The largest absolute difference between each job's output and the CPU's, and whether every
+    one agrees by the worker's own canary rule (``compare_with_cpu``: for float32, rtol 1e-2 and
+    atol 1e-3 of the output's scale; TF32 convolutions on the H200 differ by ~1e-3)."""
+    worst, close = 0.0, True
+    for out, expected in zip(got, want, strict=True):
+        actual = next(iter(out.values()))
+        worst = max(worst, float(np.max(np.abs(actual.astype(np.float64) - expected))))
+        try:
+            compare_with_cpu({"y": actual}, {"y": expected}, "the GPU")
+        except CanaryMismatch:
+            close = False
+    return worst, close
 
 
 def measure(

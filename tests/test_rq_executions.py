@@ -16,10 +16,12 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from ortq import keys, wire
+from ortq.dashboard.app import create_app
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import TAG_DIGITS, Book, Finished, StartedJob, execution_tag
 from ortq.rqcompat.layout import utcformat, utcnow
 from ortq.rqcompat.records import WorkerRecords
+from ortq.settings import Settings
 from tests.test_worker_inprocess import push, start
 
 pytestmark = pytest.mark.rqcompat
@@ -153,3 +155,23 @@ def test_rqs_own_tools_read_a_lean_workers_records(connection: redis.Redis, mode
     assert worker.get_current_job_id() == (None if layout.RQ3 else job_id)
     registry.cleanup(timestamp=1e12)  # RQ's cleanup of an expired entry needs no execution record
     assert fetched.get_status() == "failed"
+
+
+def test_the_dashboards_show_a_lean_workers_started_job(
+    connection: redis.Redis, redis_url: str, model_name: str
+) -> None:
+    """ortq's page and rq-dashboard's job and worker views read a worker whose jobs have no
+    execution records: the job shows as started, the worker with no current job (RQ 3)."""
+    book, records = lean_worker(connection, model_name)
+    job_id = str(uuid.uuid4())
+    push(connection, model_name, job_id)
+    start(connection, book)
+    client = create_app(Settings.from_url(redis_url)).test_client()
+    job = client.get(f"/rq/0/data/job/{job_id}.json")
+    assert job.status_code == 200 and job.json["status"] == "started"
+    workers = client.get("/rq/0/data/workers.json")
+    assert workers.status_code == 200
+    [row] = [w for w in workers.json["workers"] if w["name"] == records.name]
+    # RQ 3 finds a current job in the worker's index of executions (not written); RQ 2 in its hash.
+    assert row["current_job"] == "idle" if layout.RQ3 else row["current_job"]["job_id"] == job_id
+    assert client.get("/").status_code == 200

@@ -82,9 +82,8 @@ class WorkerRecords:
     def queue_heartbeat(self, pipe: Any, running: Sequence[StartedJob]) -> int:
         """Queue on ``pipe`` RQ's heartbeat of the worker and of each running job (its started
         registry entry, its ``last_heartbeat``, and with ``executions`` its execution hash and the
-        job's executions), and the worker's place in
-        RQ's sets of workers (no-ops, unless someone removed it); returns the index of the worker's
-        HSET in the pipeline, for ``after_heartbeat``."""
+        job's executions), and the worker's place in RQ's sets of workers (no-ops, unless someone
+        removed it); returns the index of the worker's HSET in the pipeline, for ``after_heartbeat``."""
         moment = utcnow()
         stamp = utcformat(moment)
         index = len(pipe)

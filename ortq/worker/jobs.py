@@ -142,7 +142,8 @@ class Computed:
 
     def answer(self, settings: Settings) -> Finished | Failure:
         """Its response and RQ's result summary; its Failure when the outputs cannot be encoded
-        (a frame header past the wire format's limit), which fails this job alone."""
+        (more dimensions than a frame carries, a header past the wire format's limit), which
+        fails this job alone."""
         member = self.member
         try:
             return finished(member, self.outputs, self.run, self.batch_size, self.ttl, settings.rq_results)

@@ -26,7 +26,7 @@ from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, EXIT_DEVICE_LOST, Conf
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
-from ortq.rqcompat.book import Book, Finished, Skipped, StartedJob
+from ortq.rqcompat.book import JOB_FIELDS, Book, Finished, Skipped, StartedJob
 from ortq.rqcompat.layout import utcnow
 from ortq.rqjob import JobRecord
 from ortq.settings import Settings
@@ -220,6 +220,25 @@ def test_start_takes_a_batch_in_order_and_reports_frame_sizes(
     assert all(s.frame_size == len(wire.encode_request(X)) for s in started)
     assert connection.llen(book.queue.intermediate) == 0
     assert connection.zcard(book.queue.started) == 3
+
+
+def test_start_sends_a_jobs_field_values_once_per_run_of_alike_jobs(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    """start.lua sends only enqueued_at for a job whose other fields equal the job's before it (a
+    producer's jobs); what parse_start makes of either form is the job hash's own fields."""
+    ids = push_many(connection, model_name, 4)
+    connection.hset(keys.job_key(ids[1]), "enqueued_at", "2026-01-02T03:04:05.000006Z")
+    for job_id in ids[2:]:
+        connection.hset(keys.job_key(job_id), "timeout", "30")
+    connection.hdel(keys.job_key(ids[3]), "enqueued_at")  # sent as nil
+    stored = {job_id: connection.hmget(keys.job_key(job_id), list(JOB_FIELDS)) for job_id in ids}
+    reply, moment, _ = book.start(b"", 8, 0)
+    sent = [len(values) for _, _, values, *_ in reply[0]]
+    assert sent == [len(JOB_FIELDS), 1, len(JOB_FIELDS), 1]  # the third's timeout differs
+    started, _ = book.parse_start(reply, moment)
+    for job in started:  # as read, before start.lua marked them started
+        assert job.fields == {name.encode(): v for name, v in zip(JOB_FIELDS, stored[job.job_id], strict=True) if v}
 
 
 def test_a_second_entry_of_a_started_job_is_skipped(connection: redis.Redis, book: Book, model_name: str) -> None:

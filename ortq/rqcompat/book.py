@@ -234,9 +234,18 @@ class Book:
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
         started_raw, skipped_raw, _ = reply
         started = []
+        previous: dict[bytes, bytes] = {}
         for job_id, execution, values, oversized, ttl, frame_size, frame in started_raw:
-            # An oversized field leaves no values at all (nothing was read): the job is failed for it.
-            fields = {name: v for name, v in zip(_JOB_FIELD_KEYS, values, strict=False) if v}
+            if len(values) == 1:  # the previous job's values but enqueued_at (start.lua)
+                fields = previous.copy()
+                fields.pop(b"enqueued_at", None)
+                if values[0]:
+                    fields[b"enqueued_at"] = values[0]
+            else:
+                # An oversized field leaves no values at all (nothing was read): the job is failed for it.
+                fields = {name: v for name, v in zip(_JOB_FIELD_KEYS, values, strict=False) if v}
+            if not oversized:
+                previous = fields
             # Ids and field names are ASCII: start.lua started no id outside RQ's rule, and made the
             # execution ids of hex digits.
             started.append(

@@ -7,7 +7,8 @@
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
 --       without a timeout (s), 10 how many more, 11 largest frame returned inline (bytes), 12 first
 --       id, 13 the fresh execution ids of every job this call may start, 32 hex digits each, joined.
--- Returns {started, skipped, left}: started = {id, execution, {field values}, oversized field or '',
+-- Returns {started, skipped, left}: started = {id, execution, {field values} (or {enqueued_at} when
+-- every other value is the previous started job's: a producer's jobs differ in that one), oversized field or '',
 -- heartbeat ttl, request frame size (-1: no request key, -2: not a string), the frame itself when
 -- no larger than ARGV[11] and not ARGV[12]'s (read beside the call), else false} per job;
 -- skipped = {entry (cut to 200 bytes), reason} per queue entry not started; left = the queue's
@@ -41,6 +42,17 @@ local function skip(id, why)
 end
 
 local first = ARGV[12]
+
+-- The field values of the job started last (not oversized), and whether `values` equal them in
+-- all but enqueued_at (FIELDS[3]). Lua's strings are interned: each comparison is one pointer's.
+local previous = nil
+local function as_previous(values)
+  if previous == nil then return false end
+  for i = 1, #FIELDS do
+    if i ~= 3 and values[i] ~= previous[i] then return false end
+  end
+  return true
+end
 
 local function start(id, execution)
   if #id > 128 or not string.match(id, '^[%w_%-]+$') then return skip(id, 'id') end
@@ -101,7 +113,12 @@ local function start(id, execution)
   -- and large ones by GETRANGE (a script's reply copies every byte).
   local frame = false
   if (first == '' or #started > 0) and size >= 0 and size <= inline then frame = redis.call('GET', request) end
-  table.insert(started, {id, execution, values, oversized, ttl, size, frame})
+  local sent = values
+  if oversized == '' then
+    if as_previous(values) then sent = {values[3]} end
+    previous = values
+  end
+  table.insert(started, {id, execution, sent, oversized, ttl, size, frame})
 end
 
 -- The first job was moved to the intermediate list by BLMOVE: off it again (from its tail, where

@@ -68,7 +68,11 @@ def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
         record["successful_jobs"] = _count(ok)
         record["failed_jobs"] = _count(failed)
         execution = _text(executions[0]) if isinstance(executions, list) and executions else None
-        record["current_job"] = execution.rpartition(":")[0] if execution else _text(current)
+        # RQ 3's index of the worker's executions, RQ 2's field, else (a worker without RQ's
+        # execution records) the job it held at its last heartbeat, while RQ's state says busy.
+        held = record.get("held_job")
+        held = held if isinstance(held, str) and layout.is_job_id(held) and record["state"] == "busy" else None
+        record["current_job"] = execution.rpartition(":")[0] if execution else _text(current) or held
     return live
 
 

@@ -177,7 +177,8 @@ class Settings:
     rq_results: bool = True
     #: Workers write RQ's execution records for each job (``rq:execution:<id>:<execution>``,
     #: ``rq:executions:<id>`` and RQ 3's ``rq:worker:<name>:executions``: what RQ's
-    #: ``job.get_executions()`` and a worker's current job in ``rq info`` and the dashboards read).
+    #: ``job.get_executions()`` and a worker's current job in ``rq info`` and rq-dashboard read;
+    #: ``ortq info`` then shows it from ortq's own worker record).
     #: ortq's recovery finds a running job's worker in its execution id, so turning them off
     #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views and saves Redis 10-40% of its CPU per
     #: small job (docs/performance.md, sixth pass). The started registry is written either way.

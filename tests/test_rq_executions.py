@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +18,16 @@ from rq.registry import StartedJobRegistry
 
 from ortq import keys, wire
 from ortq.dashboard.app import create_app
+from ortq.info import collect
+from ortq.producer import Producer
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import TAG_DIGITS, Book, Finished, StartedJob, execution_tag
 from ortq.rqcompat.layout import utcformat, utcnow
 from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings
-from tests.test_worker_inprocess import push, start
+from tests import onnx_models
+from tests.conftest import eventually
+from tests.test_worker_inprocess import Serving, make_worker, push, start
 
 pytestmark = pytest.mark.rqcompat
 
@@ -175,3 +180,26 @@ def test_the_dashboards_show_a_lean_workers_started_job(
     # RQ 3 finds a current job in the worker's index of executions (not written); RQ 2 in its hash.
     assert row["current_job"] == "idle" if layout.RQ3 else row["current_job"]["job_id"] == job_id
     assert client.get("/").status_code == 200
+
+
+def test_ortq_info_shows_the_job_a_worker_without_execution_records_runs(
+    redis_url: str, model_name: str, models_dir: Path
+) -> None:
+    slow = onnx_models.timed_slow_model(models_dir / "slow-2s.onnx", 2.0)
+    lean = Settings.from_url(redis_url, rq_executions=False, heartbeat_seconds=0.3)
+    running = Serving(make_worker(slow, model_name, lean))
+    try:
+        with Producer(settings=lean) as producer:
+            producer.wait_for_workers(model_name, 1, timeout=30)
+            job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
+
+            def shown() -> object:
+                [model] = [m for m in collect(producer.connection)["models"] if m["model"] == model_name]
+                [worker] = model["workers"]
+                return worker["current_job"]
+
+            eventually(lambda: shown() == job.id)  # while it runs, from ortq's own record
+            job.result(timeout=30)
+            eventually(lambda: shown() is None)  # idle again
+    finally:
+        running.stop()

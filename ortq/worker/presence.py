@@ -86,8 +86,11 @@ class Presence:
     # ------------------------------------------------------------------ the heartbeat thread's side
 
     def record(self) -> dict[str, Any]:
-        """ortq's record of this worker (``ortq:worker:<name>``)."""
+        """ortq's record of this worker (``ortq:worker:<name>``). ``held_job``: one job it held at
+        this heartbeat, for ``ortq info`` where RQ's records do not say (Settings.rq_executions off)."""
         ident = self.identity
+        with self._lock:
+            held = next(iter(self._held.values()), None)
         return {
             "name": self.name,
             "model": ident.model,
@@ -99,6 +102,7 @@ class Presence:
             "pid": ident.pid,
             "queue": self.queue_name,
             "state": self.state,
+            "held_job": held.job_id if held is not None else None,
             "signature": self.signature.to_json(),
             **ident.extra,
         }

@@ -415,4 +415,9 @@ class Book:
             return []
         members = cast(list[bytes], self.connection.srandmember(workers, MAX_QUEUE_WORKERS) or [])
         prefix = layout.worker_key("")
-        return [name[len(prefix) :] for name in map(keys.as_text, members) if name.startswith(prefix)]
+        # A member no worker could have written (not a worker key, or past any name's length) is skipped.
+        return [
+            name[len(prefix) :]
+            for name in map(keys.as_text, (m for m in members if len(m) <= 4096))
+            if name.startswith(prefix)
+        ]

@@ -5,6 +5,7 @@ such records. Marked rqcompat: run against both RQ series."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -203,3 +204,28 @@ def test_ortq_info_shows_the_job_a_worker_without_execution_records_runs(
             eventually(lambda: shown() is None)  # idle again
     finally:
         running.stop()
+
+
+@pytest.mark.parametrize("forged", [{"job": 1}, "../../x", 10**30, "a" * 129, ["id"], None])
+def test_a_forged_held_job_in_a_worker_record_shows_as_no_current_job(
+    connection: redis.Redis, model_name: str, forged: object
+) -> None:
+    """ortq's worker record is read as hostile input: only a job id is shown, and only while RQ's
+    state says the worker is busy."""
+    _, records = lean_worker(connection, model_name)
+    connection.hset(records.key, "state", "busy")
+    record = {"name": records.name, "model": model_name, "held_job": forged}
+    connection.set(keys.worker_key(records.name), json.dumps(record))
+    connection.sadd(keys.WORKERS_SET, records.name)
+
+    def shown() -> object:
+        [model] = [m for m in collect(connection)["models"] if m["model"] == model_name]
+        [worker] = model["workers"]
+        return worker["current_job"]
+
+    assert shown() is None
+    record["held_job"] = "a" * 128  # a job id: shown while busy, not once idle
+    connection.set(keys.worker_key(records.name), json.dumps(record))
+    assert shown() == "a" * 128
+    connection.hset(records.key, "state", "idle")
+    assert shown() is None

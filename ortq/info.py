@@ -51,7 +51,7 @@ def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
             # A read-only (monitor) user may not prune; the name is skipped all the same.
             with contextlib.suppress(redis.exceptions.NoPermissionError):
                 connection.srem(keys.WORKERS_SET, name)
-    live = [record for _, record in records if record is not None and isinstance(record.get("model"), str)]
+    live = [_shown(name, r) for name, r in records if r is not None and isinstance(r.get("model"), str)]
     # RQ's own worker hash holds the live state and counters (and RQ 3 its running executions).
     with connection.pipeline(transaction=False) as pipe:
         for record in live:
@@ -74,6 +74,29 @@ def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
         held = held if isinstance(held, str) and layout.is_job_id(held) and record["state"] == "busy" else None
         record["current_job"] = execution.rpartition(":")[0] if execution else _text(current) or held
     return live
+
+
+#: The fields of a worker's record that ``ortq info`` and the page show, with the type each must
+#: have; any other value (a record written by someone else) shows as unknown.
+_SHOWN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "provider": str,
+    "requested_provider": str,
+    "fell_back_to_cpu": bool,
+    "adapter": dict,
+    "device_id": int,
+    "host": str,
+    "pid": int,
+}
+
+
+def _shown(name: str, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its shown fields of the right types (None where not) and the name it is
+    registered under."""
+    record["name"] = name
+    for field, kind in _SHOWN_FIELDS.items():
+        if not isinstance(record.get(field), kind):
+            record[field] = None
+    return record
 
 
 def _text(raw: object) -> str | None:
@@ -195,10 +218,10 @@ def format_info(info: dict[str, Any]) -> str:
             w["model"],
             *((redis_url,) if sharded else ()),
             w["state"],
-            w["provider"] + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
+            (w["provider"] or "?") + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
             _adapter(w),
-            w["host"],
-            w["pid"],
+            w["host"] or "?",
+            "?" if w["pid"] is None else w["pid"],
             w["successful_jobs"],
             w["failed_jobs"],
         )

@@ -19,7 +19,7 @@ from rq.registry import StartedJobRegistry
 
 from ortq import keys, wire
 from ortq.dashboard.app import create_app
-from ortq.info import collect
+from ortq.info import collect, format_info
 from ortq.producer import Producer
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import TAG_DIGITS, Book, Finished, StartedJob, execution_tag
@@ -214,18 +214,27 @@ def test_a_forged_held_job_in_a_worker_record_shows_as_no_current_job(
     state says the worker is busy."""
     _, records = lean_worker(connection, model_name)
     connection.hset(records.key, "state", "busy")
-    record = {"name": records.name, "model": model_name, "held_job": forged}
+    # A record of the model's worker that has none of the other fields, or some of the wrong type.
+    record = {"name": "someone-else", "model": model_name, "held_job": forged, "pid": "x", "adapter": "y"}
     connection.set(keys.worker_key(records.name), json.dumps(record))
     connection.sadd(keys.WORKERS_SET, records.name)
 
     def shown() -> object:
         [model] = [m for m in collect(connection)["models"] if m["model"] == model_name]
         [worker] = model["workers"]
+        assert worker["name"] == records.name  # the name it is registered under
         return worker["current_job"]
 
-    assert shown() is None
-    record["held_job"] = "a" * 128  # a job id: shown while busy, not once idle
-    connection.set(keys.worker_key(records.name), json.dumps(record))
-    assert shown() == "a" * 128
-    connection.hset(records.key, "state", "idle")
-    assert shown() is None
+    try:
+        assert shown() is None
+        table = format_info(collect(connection))  # `ortq info`'s tables: unknowns shown as such
+        [row] = [line.split() for line in table.splitlines() if line.startswith(records.name + " ")]
+        assert row[:4] == [records.name, model_name, "busy", "?"]
+        record["held_job"] = "a" * 128  # a job id: shown while busy, not once idle
+        connection.set(keys.worker_key(records.name), json.dumps(record))
+        assert shown() == "a" * 128
+        connection.hset(records.key, "state", "idle")
+        assert shown() is None
+    finally:
+        connection.delete(keys.worker_key(records.name))
+        connection.srem(keys.WORKERS_SET, records.name)

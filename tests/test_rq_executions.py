@@ -208,7 +208,7 @@ def test_ortq_info_shows_the_job_a_worker_without_execution_records_runs(
 
 @pytest.mark.parametrize("forged", [{"job": 1}, "../../x", 10**30, "a" * 129, ["id"], None])
 def test_a_forged_held_job_in_a_worker_record_shows_as_no_current_job(
-    connection: redis.Redis, model_name: str, forged: object
+    connection: redis.Redis, redis_url: str, model_name: str, forged: object
 ) -> None:
     """ortq's worker record is read as hostile input: only a job id is shown, and only while RQ's
     state says the worker is busy."""
@@ -230,6 +230,8 @@ def test_a_forged_held_job_in_a_worker_record_shows_as_no_current_job(
         table = format_info(collect(connection))  # `ortq info`'s tables: unknowns shown as such
         [row] = [line.split() for line in table.splitlines() if line.startswith(records.name + " ")]
         assert row[:4] == [records.name, model_name, "busy", "?"]
+        page = create_app(Settings.from_url(redis_url)).test_client().get("/")  # ortq's page, likewise
+        assert page.status_code == 200 and '<td data-field="host">? / ?</td>' in page.text
         record["held_job"] = "a" * 128  # a job id: shown while busy, not once idle
         connection.set(keys.worker_key(records.name), json.dumps(record))
         assert shown() == "a" * 128

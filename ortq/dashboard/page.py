@@ -150,12 +150,12 @@ code { font-size: .95em; }
 {% if w.state in ready_states %}<td data-field="ready" class="ready">ready</td>
 {% else %}<td data-field="ready" class="notready">not ready</td>{% endif %}
 <td data-field="state">{{ w.state or "?" }}</td>
-<td data-field="provider">{{ w.provider }}{% if w.fell_back_to_cpu %}
-<span class="bad">(CPU fallback: {{ w.requested_provider }} was unavailable)</span>{% endif %}</td>
+<td data-field="provider">{{ w.provider or "?" }}{% if w.fell_back_to_cpu %}
+<span class="bad">(CPU fallback: {{ w.requested_provider or "?" }} was unavailable)</span>{% endif %}</td>
 <td data-field="adapter">{% if w.adapter %}{{ w.adapter.name or w.adapter.spec }}
 {%- elif w.provider == "CPUExecutionProvider" %}cpu{% else %}-{% endif %}
 {% if w.device_id is not none %}<span class="muted">(device {{ w.device_id }})</span>{% endif %}</td>
-<td data-field="host">{{ w.host }} / {{ w.pid }}</td>
+<td data-field="host">{{ w.host or "?" }} / {{ "?" if w.pid is none else w.pid }}</td>
 <td data-field="successful_jobs">{{ w.successful_jobs }}</td>
 <td data-field="failed_jobs">{{ w.failed_jobs }}</td>
 <td data-field="current_job">{% if w.current_job %}<a href="{{ job_url(w.current_job) }}">{{

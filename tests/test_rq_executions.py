@@ -71,9 +71,9 @@ def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_e
     # A heartbeat refreshes what there is and creates nothing more.
     connection.zadd(book.queue.started, {f"{job_id}:{job.execution_id}": 1})
     with connection.pipeline(transaction=False) as pipe:
-        index = records.queue_heartbeat(pipe, [job])
+        positions = records.queue_heartbeat(pipe, [job])
         results = pipe.execute(raise_on_error=False)
-    records.after_heartbeat(connection, results, index, [job])
+    records.after_heartbeat(connection, results, positions, [job])
     assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") > 1  # type: ignore[operator]
     assert connection.exists(keys.job_key(job_id))  # not taken for a hash the heartbeat recreated
     assert execution_records(connection, job, name) == written
@@ -95,9 +95,9 @@ def test_a_heartbeat_deletes_a_job_hash_it_recreated_without_execution_records(
     [job], _ = start(connection, book)
     connection.delete(keys.job_key(job_id))  # expired or deleted while the job ran
     with connection.pipeline(transaction=False) as pipe:
-        index = records.queue_heartbeat(pipe, [job])
+        positions = records.queue_heartbeat(pipe, [job])
         results = pipe.execute(raise_on_error=False)
-    records.after_heartbeat(connection, results, index, [job])
+    records.after_heartbeat(connection, results, positions, [job])
     assert not connection.exists(keys.job_key(job_id))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -19,6 +20,15 @@ from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.layout import utcformat, utcnow
 
 log = logging.getLogger("ortq.worker")
+
+
+@dataclass(frozen=True)
+class BeatPositions:
+    """Where a heartbeat's replies are among its pipeline's results (``queue_heartbeat``)."""
+
+    worker: int  # the worker hash's HSET of last_heartbeat
+    job_hashes: tuple[int, ...]  # each running job's HSET of last_heartbeat, in order
+    sets: int  # the first of the two SADDs to RQ's sets of workers
 
 
 class WorkerRecords:
@@ -79,14 +89,15 @@ class WorkerRecords:
         if state == "idle" and not layout.RQ3:
             client.hdel(self.key, "current_job")
 
-    def queue_heartbeat(self, pipe: Any, running: Sequence[StartedJob]) -> int:
+    def queue_heartbeat(self, pipe: Any, running: Sequence[StartedJob]) -> BeatPositions:
         """Queue on ``pipe`` RQ's heartbeat of the worker and of each running job (its started
         registry entry, its ``last_heartbeat``, and with ``executions`` its execution hash and the
         job's executions), and the worker's place in RQ's sets of workers (no-ops, unless someone
-        removed it); returns the index of the worker's HSET in the pipeline, for ``after_heartbeat``."""
+        removed it); returns where the replies ``after_heartbeat`` reads will be."""
         moment = utcnow()
         stamp = utcformat(moment)
-        index = len(pipe)
+        worker = len(pipe)
+        job_hashes = []
         pipe.hset(self.key, "last_heartbeat", stamp)
         pipe.expire(self.key, self.ttl)
         if layout.RQ3 and self.executions:
@@ -95,6 +106,7 @@ class WorkerRecords:
             composite = f"{job.job_id}:{job.execution_id}"
             deadline = int(moment.timestamp()) + job.ttl
             pipe.zadd(self.queue.started, {composite: deadline}, xx=True)
+            job_hashes.append(len(pipe))
             pipe.hset(layout.job_key(job.job_id), "last_heartbeat", stamp)
             if self.executions:
                 execution = layout.execution_key(job.job_id, job.execution_id)
@@ -102,23 +114,21 @@ class WorkerRecords:
                 pipe.expire(execution, job.ttl)
                 pipe.zadd(f"{layout.PREFIX}:executions:{job.job_id}", {job.execution_id: deadline + 60}, xx=True)
                 pipe.expire(f"{layout.PREFIX}:executions:{job.job_id}", job.ttl + 60)
+        sets = len(pipe)
         pipe.sadd(layout.workers_key(), self.key)
         pipe.sadd(self.queue.workers, self.key)
-        return index
+        return BeatPositions(worker, tuple(job_hashes), sets)
 
     def after_heartbeat(
-        self, connection: redis.Redis, results: Sequence[Any], index: int, running: Sequence[StartedJob]
+        self, connection: redis.Redis, results: Sequence[Any], at: BeatPositions, running: Sequence[StartedJob]
     ) -> None:
         """What RQ's ``maintain_heartbeats`` does after its pipeline: an HSET that created a hash
         means the hash had expired or been deleted. A job's hash made that way is deleted again;
         the worker's own is written whole again, with its TTL."""
-        offset = index + (3 if layout.RQ3 and self.executions else 2)
-        per_job = 6 if self.executions else 2  # queue_heartbeat's commands a job; the job hash's HSET 2nd
-        stale_jobs = [job.job_id for i, job in enumerate(running) if results[offset + per_job * i + 1] == 1]
+        stale_jobs = [job.job_id for job, i in zip(running, at.job_hashes, strict=True) if results[i] == 1]
         # An error: the worker's key holds something else (written by someone else): it is replaced.
-        recreated = results[index] == 1 or isinstance(results[index], Exception)
-        sets = offset + per_job * len(running)
-        if any(isinstance(r, Exception) for r in results[sets : sets + 2]):
+        recreated = results[at.worker] == 1 or isinstance(results[at.worker], Exception)
+        if any(isinstance(r, Exception) for r in results[at.sets : at.sets + 2]):
             self.register(connection)  # replaces a set of the wrong type
         if not stale_jobs and not recreated:
             return

@@ -113,13 +113,13 @@ class Presence:
         with self._lock:
             running = list(self._held.values())
         with connection.pipeline(transaction=False) as pipe:
-            index = self.records.queue_heartbeat(pipe, running)
+            positions = self.records.queue_heartbeat(pipe, running)
             pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)
             registered = len(pipe)
             pipe.sadd(keys.WORKERS_SET, self.name)
             pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
             results = pipe.execute(raise_on_error=False)
-        self.records.after_heartbeat(connection, results, index, running)
+        self.records.after_heartbeat(connection, results, positions, running)
         if isinstance(results[registered], redis.ResponseError):
             log.error("%s was no set (%s); replacing it", keys.WORKERS_SET, results[registered])
             with connection.pipeline() as pipe:

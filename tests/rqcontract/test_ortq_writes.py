@@ -115,9 +115,9 @@ class OrtqSide:
 
     def beat(self, running: list[StartedJob]) -> None:
         with self.connection.pipeline(transaction=False) as pipe:
-            index = self.records.queue_heartbeat(pipe, running)
+            positions = self.records.queue_heartbeat(pipe, running)
             results = pipe.execute()
-        self.records.after_heartbeat(self.connection, results, index, running)
+        self.records.after_heartbeat(self.connection, results, positions, running)
 
     def finish(self, started: StartedJob) -> None:
         summary = {"value": 3, "outputs": {"y": ["float32", [1, 4]]}}

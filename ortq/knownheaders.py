@@ -10,6 +10,7 @@ header that differs anywhere else is not found and gets the full checks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -21,18 +22,42 @@ from ortq.wiretypes import PREFIX, WIRE_DTYPES, Request
 
 NONCE_TAIL = 16
 MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
-KNOWN: dict[bytes, _Known] = {}
+KNOWN: dict[bytes, KnownHeader] = {}
 
 
-@dataclass(frozen=True, slots=True)
-class _Known:
+#: Compared and hashed by identity (``eq=False``): one object per remembered header, so that the
+#: worker can work out what a header's frames have in common once per batch (ortq.worker.jobs).
+@dataclass(frozen=True, slots=True, eq=False)
+class KnownHeader:
+    """A remembered request header: where the tensors of every frame with it lie."""
+
     data_start: int
     data_end: int  # the data section's bytes its tensors need
     tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
 
+    def inputs(self, frame: bytes | bytearray) -> dict[str, np.ndarray]:
+        """The tensors of ``frame`` (one known_frame found with this header): zero-copy views."""
+        data = memoryview(frame)[self.data_start :]
+        return {
+            name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+            for name, dtype, count, offset, shape in self.tensors
+        }
 
-def known_request(frame: object, max_bytes: int) -> Request | None:
-    """``frame`` decoded through a remembered header, or None (for the full checks) when its
+    def joined(self, frames: Sequence[bytes | bytearray]) -> dict[str, np.ndarray]:
+        """The tensors of ``frames`` (each found with this header, whose tensors all have a first
+        dimension) joined along it, as np.concatenate of their ``inputs`` would: one copy of the
+        bytes and no array per frame."""
+        joined = {}
+        for name, dtype, count, offset, shape in self.tensors:
+            start = self.data_start + offset
+            end = start + count * dtype.itemsize
+            data = b"".join([memoryview(frame)[start:end] for frame in frames])
+            joined[name] = np.frombuffer(data, dtype=dtype).reshape((len(frames) * shape[0], *shape[1:]))
+        return joined
+
+
+def known_frame(frame: object, max_bytes: int) -> tuple[KnownHeader, bytes] | None:
+    """The remembered header of ``frame`` and its nonce, or None (for the full checks) when its
     header is not one or anything else is off."""
     if not isinstance(frame, bytes | bytearray) or len(frame) > max_bytes:
         return None
@@ -40,12 +65,15 @@ def known_request(frame: object, max_bytes: int) -> Request | None:
     known = KNOWN.get(bytes(frame[: end - NONCE_TAIL]))
     if known is None or known.data_start + known.data_end > len(frame):
         return None
-    data = memoryview(frame)[known.data_start :]
-    inputs = {
-        name: np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
-        for name, dtype, count, offset, shape in known.tensors
-    }
-    return Request(inputs, {"nonce": bytes(frame[end - NONCE_TAIL : end])})
+    return known, bytes(frame[end - NONCE_TAIL : end])
+
+
+def known_request(frame: object, max_bytes: int) -> Request | None:
+    """``frame`` decoded through a remembered header, or None (for the full checks)."""
+    if not isinstance(frame, bytes | bytearray) or (found := known_frame(frame, max_bytes)) is None:
+        return None
+    known, nonce = found
+    return Request(known.inputs(frame), {"nonce": nonce})
 
 
 def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
@@ -73,4 +101,4 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
     if len(KNOWN) >= 64:  # forged headers vary at will: the cache stays small
         KNOWN.clear()
     data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
-    KNOWN[bytes(frame[: end - NONCE_TAIL])] = _Known(len(frame) - len(data), data_end, tensors)
+    KNOWN[bytes(frame[: end - NONCE_TAIL])] = KnownHeader(len(frame) - len(data), data_end, tensors)

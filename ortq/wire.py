@@ -81,24 +81,23 @@ def encode_response(
 ) -> bytes:
     """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
     request's ``nonce``."""
-    return encode_laid_out(outputs, layout_of(outputs), timings, nonce)
+    return encode_laid_out(outputs, layout_of(outputs), _timings(timings), nonce)
 
 
 def encode_laid_out(
-    outputs: Mapping[str, NDArray[Any]],
-    layout: Layout | None,
-    timings: Mapping[str, float] | None = None,
-    nonce: bytes | None = None,
+    outputs: Mapping[str, NDArray[Any]], layout: Layout | None, timings: dict[str, float], nonce: bytes | None = None
 ) -> bytes:
     """encode_response for a caller that has looked up ``layout_of(outputs)`` already (the worker
-    uses it for RQ's result too); None: no layout, the general encoder."""
+    uses it for RQ's result too; None: no layout, the general encoder) and whose ``timings`` are
+    the plain map of str to float the header carries."""
     if layout is None:
-        body = {"kind": "response", "ok": True, "outputs": outputs, "timings": _timings(timings)}
+        body = {"kind": "response", "ok": True, "outputs": outputs, "timings": timings}
         return _encode(_with_nonce(body, nonce), "outputs")
     # The same bytes as _encode's: the header's map ends with the timings and the nonce.
-    header = (layout.head if nonce is None else layout.head_with_nonce) + msgpack.packb(_timings(timings))
-    if nonce is not None:
-        header += _NONCE_KEY + msgpack.packb(nonce)
+    header = (layout.head if nonce is None else layout.head_with_nonce) + msgpack.packb(timings)
+    if nonce is not None:  # as msgpack's bin 8 where it fits (a producer's nonce always does)
+        short = len(nonce) < 256
+        header += _NONCE_KEY + (b"\xc4" + bytes((len(nonce),)) + nonce if short else msgpack.packb(nonce))
     if len(header) > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
     parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]

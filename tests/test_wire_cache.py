@@ -151,7 +151,7 @@ OUTPUT_SETS: list[dict[str, Any]] = [
 
 
 @pytest.mark.parametrize("outputs", OUTPUT_SETS)
-@pytest.mark.parametrize("nonce", [None, b"x" * 16, b"y" * 300])
+@pytest.mark.parametrize("nonce", [None, b"x" * 16, b"z" * 255, b"y" * 300])
 @pytest.mark.parametrize("timings", [None, {"queue": 0.5, "run": 1}, {}])
 def test_a_response_is_the_same_bytes_through_a_layout(
     outputs: dict[str, Any], nonce: bytes | None, timings: dict[str, float] | None
@@ -165,7 +165,7 @@ def test_a_response_is_the_same_bytes_through_a_layout(
     if layout is not None:
         shapes = {name: [wire.dtype_name(v.dtype), list(v.shape)] for name, v in outputs.items()}
         assert layout.shapes == shapes
-    assert wire.encode_laid_out(outputs, layout, timings, nonce) == expected  # a layout, or None
+    assert wire.encode_laid_out(outputs, layout, wire._timings(timings), nonce) == expected  # a layout, or None
 
 
 def test_a_job_hash_like_a_remembered_one_except_for_its_function_is_refused() -> None:
@@ -182,3 +182,25 @@ def test_a_job_hash_like_a_remembered_one_except_for_its_function_is_refused() -
     for ttl in range(100):
         JobRecord.parse("f", {**good, b"ttl": str(ttl).encode()})
     assert len(rqjob._SETTLED) <= 64
+
+
+def test_frames_of_a_remembered_header_join_as_their_decoded_inputs_would() -> None:
+    """KnownHeader.joined (a batch's inputs, straight from its frames) equals np.concatenate of
+    each frame's decoded inputs, tensor by tensor, for bytes and bytearray frames alike."""
+    rng = np.random.default_rng(7)
+
+    def inputs() -> dict[str, Any]:
+        return {"a": rng.standard_normal((2, 3, 2)).astype(np.float32), "ids": rng.integers(0, 9, (2,), np.int64)}
+
+    frames: list[bytes | bytearray] = [producer_frame(inputs=inputs()) for _ in range(4)]
+    frames[2] = bytearray(frames[2])
+    knownheaders.KNOWN.clear()
+    decoded = [wire.decode_request(frame).inputs for frame in frames]
+    found = [knownheaders.known_frame(frame, 4096) for frame in frames[1:]]
+    assert all(f is not None and f[0] is found[0][0] for f in found)  # type: ignore[index]
+    joined = found[0][0].joined(frames)  # type: ignore[index]
+    assert list(joined) == ["a", "ids"]
+    for name in joined:
+        expected = np.concatenate([d[name] for d in decoded])
+        assert joined[name].dtype == expected.dtype and joined[name].shape == expected.shape
+        np.testing.assert_array_equal(joined[name], expected)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -21,8 +22,15 @@ import pytest
 import redis
 from rq.command import send_shutdown_command
 
-from ortq import keys, wire
-from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, InferenceFailed
+from ortq import keys, knownheaders, wire
+from ortq.errors import (
+    EXIT_CONFIGURATION,
+    EXIT_CRASHED,
+    EXIT_DEVICE_LOST,
+    ConfigurationError,
+    InferenceFailed,
+    InvalidInput,
+)
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
@@ -30,7 +38,10 @@ from ortq.rqcompat.book import JOB_FIELDS, Book, Finished, Skipped, StartedJob
 from ortq.rqcompat.layout import utcnow
 from ortq.rqjob import JobRecord
 from ortq.settings import Settings
+from ortq.signature import ModelSignature, TensorSpec
 from ortq.worker import jobs
+from ortq.worker.batch import batch_key, group
+from ortq.worker.intake import Taken
 from ortq.worker.loop import Worker
 from ortq.worker.serve import WorkerConfig, build_worker
 from tests import onnx_models
@@ -162,16 +173,62 @@ def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(settings: Settings
     no frame can carry becomes that job's failure, and the others of its run are answered."""
     fields = job_fields("m")
     started = [StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), 0) for i in range(2)]
-    members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"n" * 16) for s in started]
+    key = batch_key(X)
+    members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"n" * 16, key) for s in started]
     good = {"y": np.arange(8, dtype=np.float32).reshape(2, 4)}
     deep = {"y": np.zeros((1,) * (wire.MAX_DIMS + 1), np.float32)}
     answered, failed = (
-        jobs.Computed(m, out, 0.001, 2, 60).answer(settings) for m, out in zip(members, (good, deep), strict=True)
+        jobs.Computed(m, out, 0.001, 2, 60, jobs.layout_of(out)).answer(settings)
+        for m, out in zip(members, (good, deep), strict=True)
     )
     assert isinstance(answered, Finished)
     np.testing.assert_array_equal(wire.decode_response(answered.frame).outputs["y"], good["y"])
     assert isinstance(failed, jobs.Failure) and failed.error_type == "InvalidInput" and failed.retry is None
     assert "dimensions" in wire.decode_response(failed.error).error.message  # type: ignore[union-attr]
+
+
+def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(settings: Settings) -> None:
+    """jobs.check_all decodes a request whose header it has seen through the remembered header,
+    and checks that header against the model once a batch: what it decides, and the inputs of each
+    run, are what the full checks of each frame on its own give. A bad header's jobs fail alike,
+    and jobs of a header that cannot be remembered still share a run with alike ones."""
+    signature = ModelSignature(inputs=(TensorSpec("x", "float32", (None, 4)),), outputs=())
+    good, wide = {"x": X["x"]}, {"x": np.ones((1, 5), np.float32)}
+    frames = [
+        wire.encode_request(good, {"nonce": os.urandom(16)}),  # first seen: the full checks, then remembered
+        wire.encode_request({"x": X["x"] * 2}, {"nonce": os.urandom(16)}),
+        wire.encode_request(wide, {"nonce": os.urandom(16)}),  # does not fit the model
+        wire.encode_request(wide, {"nonce": os.urandom(16)}),  # through the remembered header
+        wire.encode_request(good, {"nonce": os.urandom(16), "tag": 1}),  # options besides the nonce: never remembered
+        bytearray(wire.encode_request({"x": X["x"] * 3}, {"nonce": os.urandom(16)})),
+    ]
+    fields = job_fields("m")
+    taken = [
+        Taken(StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), len(f)), f)
+        for i, f in enumerate(frames)
+    ]
+    knownheaders.KNOWN.clear()
+    pending, failures = jobs.check_all(taken, signature, settings, True, 0.0)
+    assert [p.started.job_id for p in pending] == ["job-0", "job-1", "job-4", "job-5"]
+    assert [p.known is not None for p in pending] == [True, True, False, True]
+    expected = InvalidInput.__name__, "input 'x' has size 5 on axis 1, the model expects 4 (x: float32[?, 4])"
+    assert [failed.started.job_id for failed in failures] == ["job-2", "job-3"]
+    for failed in failures:
+        assert (failed.error_type, wire.decode_response(failed.error).error.message) == expected  # type: ignore[union-attr]
+    # The full checks, each frame on its own with nothing remembered, say the same.
+    for item in taken[2:4]:
+        knownheaders.KNOWN.clear()
+        with pytest.raises(InvalidInput) as refused:
+            signature.check_inputs(wire.decode_request(item.frame).inputs)  # type: ignore[arg-type]
+        assert str(refused.value) == expected[1]
+    (members,) = group(pending, lambda p: p.key, 8, lambda p: p.rows)
+    assert members == pending and [p.rows for p in pending] == [2, 2, 2, 2]
+    joined = jobs.group_inputs(members)["x"]
+    np.testing.assert_array_equal(joined, np.concatenate([X["x"], X["x"] * 2, X["x"], X["x"] * 3]))
+    known_only = [p for p in pending if p.known is not None]
+    np.testing.assert_array_equal(jobs.group_inputs(known_only)["x"], np.concatenate([X["x"], X["x"] * 2, X["x"] * 3]))
+    nonces = {t.started.job_id: wire.decode_request(t.frame).nonce for t in taken}  # type: ignore[arg-type]
+    assert [p.nonce for p in pending] == [nonces[p.started.job_id] for p in pending]
 
 
 # ------------------------------------------------------------------ the scripts, one by one

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ortq import keys, wire
+from ortq import keys, knownheaders, wire
 from ortq.errors import InvalidInput, InvalidJob, OrtqError, RequestExpired, UnknownJobFunction
 from ortq.rqcompat.book import Finished, Retry, StartedJob
 from ortq.rqjob import MAX_SECONDS, JobRecord
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.signature import ModelSignature
+from ortq.worker.batch import BatchKey, Tensors, batch_key, concat
 from ortq.worker.intake import Taken
 
 log = logging.getLogger("ortq.worker")
@@ -26,14 +27,39 @@ log = logging.getLogger("ortq.worker")
 
 @dataclass(slots=True)
 class Pending:
-    """A job whose request decoded and fits the model, waiting for its group's run."""
+    """A job whose request decoded and fits the model, waiting for its group's run. A request
+    whose header is a remembered one (ortq.knownheaders) keeps its ``frame`` and ``known`` header
+    instead of ``inputs``: its group's inputs are joined from the frames (``group_inputs``)."""
 
     job: JobRecord
     started: StartedJob
-    inputs: dict[str, np.ndarray]
+    inputs: Tensors | None
     timings: dict[str, float]
     rows: int
     nonce: bytes | None
+    key: BatchKey  # which jobs it may share a run with (ortq.worker.batch)
+    frame: bytes | bytearray | None = None
+    known: knownheaders.KnownHeader | None = None
+
+    def tensors(self) -> Tensors:
+        """Its inputs, as arrays."""
+        if self.inputs is None:
+            assert self.known is not None and self.frame is not None  # how check makes it
+            self.inputs = self.known.inputs(self.frame)
+        return self.inputs
+
+
+def group_inputs(members: list[Pending]) -> Tensors:
+    """The inputs of a group's run: its members' joined along dim 0."""
+    known = members[0].known
+    if len(members) > 1 and known is not None and all(m.known is known for m in members):
+        return known.joined([m.frame for m in members if m.frame is not None])
+    return concat([m.tensors() for m in members])
+
+
+#: What a remembered header's requests have in common, worked out from the first of them in a
+#: batch: why they do not fit the model (an error), or their rows and batch key.
+HeaderVerdict = Exception | tuple[int, BatchKey]
 
 
 @dataclass(slots=True)
@@ -50,9 +76,15 @@ class Failure:
 
 
 def check(
-    taken: Taken, signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
+    taken: Taken,
+    signature: ModelSignature,
+    settings: Settings,
+    batching: bool,
+    batch_wait: float,
+    headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None = None,
 ) -> Pending | Failure:
-    """Stage 3: decode and check one job's request; its Failure when it is bad."""
+    """Stage 3: decode and check one job's request; its Failure when it is bad. ``headers``: the
+    verdicts of the batch's remembered headers so far (filled in here)."""
     started = taken.started
     job = JobRecord.parse(started.job_id, started.fields)
     timings: dict[str, float] = {}
@@ -79,14 +111,43 @@ def check(
         if isinstance(frame, OrtqError):
             raise frame
         t0 = time.perf_counter()
-        request = wire.decode_request(frame, max_bytes=settings.max_frame_bytes)
-        nonce = request.nonce
-        signature.check_inputs(request.inputs)
-        rows = rows_of(request.inputs) if batching else 1
+        limit = settings.max_frame_bytes
+        found = knownheaders.known_frame(frame, limit)
+        if found is None:
+            request = wire.decode_request(frame, max_bytes=limit)  # every check; remembers a producer's header
+            nonce = request.nonce
+            found = knownheaders.known_frame(frame, limit)
+        if found is None:
+            inputs = request.inputs
+            signature.check_inputs(inputs)
+            rows, key = rows_of(inputs) if batching else 1, batch_key(inputs)
+        else:
+            known, nonce = found
+            # The header declares the names, dtypes and shapes that the checks look at: one frame's
+            # verdict is every frame's with it.
+            verdict = None if headers is None else headers.get(known)
+            if verdict is None:
+                verdict = header_verdict(known.inputs(frame), signature, batching)
+                if headers is not None:
+                    headers[known] = verdict
+            if isinstance(verdict, Exception):
+                return failure(started, job, verdict, timings, nonce, settings)
+            rows, key = verdict
         timings["decode"] = time.perf_counter() - t0
     except Exception as exc:
         return failure(started, job, exc, timings, nonce, settings)
-    return Pending(job, started, request.inputs, timings, rows, nonce)
+    if found is None:
+        return Pending(job, started, inputs, timings, rows, nonce, key)
+    return Pending(job, started, None, timings, rows, nonce, key, frame, known)
+
+
+def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -> HeaderVerdict:
+    """Why ``inputs`` do not fit the model, or their rows and batch key."""
+    try:
+        signature.check_inputs(inputs)
+        return rows_of(inputs) if batching else 1, batch_key(inputs)
+    except InvalidInput as exc:
+        return exc
 
 
 def check_all(
@@ -95,8 +156,9 @@ def check_all(
     """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
     pending: list[Pending] = []
     failures: list[Failure] = []
+    headers: dict[knownheaders.KnownHeader, HeaderVerdict] = {}
     for item in taken:
-        checked = check(item, signature, settings, batching, batch_wait)
+        checked = check(item, signature, settings, batching, batch_wait, headers)
         if isinstance(checked, Pending):
             pending.append(checked)
         else:
@@ -132,13 +194,15 @@ def failure(
 @dataclass(slots=True)
 class Computed:
     """A job's outputs from its run, whose answer (stage 6) the replier encodes: off the main
-    thread, so that it runs while the next ``Run`` holds no GIL."""
+    thread, so that it runs while the next ``Run`` holds no GIL. ``layout``: ``wire.layout_of``
+    its outputs, looked up once for the jobs of a run with as many rows (their outputs look alike)."""
 
     member: Pending
     outputs: dict[str, np.ndarray]
     run: float
     batch_size: int
     ttl: int
+    layout: wire.Layout | None
 
     def answer(self, settings: Settings) -> Finished | Failure:
         """Its response and RQ's result summary; its Failure when the outputs cannot be encoded
@@ -146,29 +210,36 @@ class Computed:
         fails this job alone."""
         member = self.member
         try:
-            return finished(member, self.outputs, self.run, self.batch_size, self.ttl, settings.rq_results)
+            return finished(self, settings.rq_results)
         except Exception as exc:
             return failure(member.started, member.job, exc, {**member.timings, "run": self.run}, member.nonce, settings)
 
 
-def finished(
-    member: Pending, outputs: dict[str, np.ndarray], run: float, batch_size: int, ttl: int, rq_result: bool = True
-) -> Finished:
+def layout_of(outputs: dict[str, np.ndarray]) -> wire.Layout | None:
+    """``wire.layout_of``, None for outputs it refuses: their answer then goes through the general
+    encoder, which refuses them for their job alone (Computed.answer)."""
+    try:
+        return wire.layout_of(outputs)
+    except Exception:
+        return None
+
+
+def finished(computed: Computed, rq_result: bool = True) -> Finished:
     """Stage 6 for one job of a run: its response frame and (``rq_result``) RQ's result summary."""
-    timings = {**member.timings, "run": run}
+    member, outputs, layout = computed.member, computed.outputs, computed.layout
+    timings = {**member.timings, "run": computed.run}
     t0 = time.perf_counter()
-    layout = wire.layout_of(outputs)  # looked up once for the frame and RQ's summary (cached by shape)
     frame = wire.encode_laid_out(outputs, layout, timings, member.nonce)
     timings["encode"] = time.perf_counter() - t0
     if not rq_result:
-        return Finished(member.started, frame, ttl, None, timings)
+        return Finished(member.started, frame, computed.ttl, None, timings)
     summary = {
         "reply_key": keys.reply_key(member.job.job_id),
         "outputs": layout.shapes if layout is not None else _shapes(outputs),
-        "batch_size": batch_size,
+        "batch_size": computed.batch_size,
         "timings": timings,
     }
-    return Finished(member.started, frame, ttl, MsgpackSerializer.dumps(summary), timings)
+    return Finished(member.started, frame, computed.ttl, MsgpackSerializer.dumps(summary), timings)
 
 
 def _shapes(outputs: dict[str, np.ndarray]) -> dict[str, list[object]]:

@@ -32,8 +32,9 @@ from ortq.metrics import WorkerMetrics
 from ortq.producer.priority import ensure_functions
 from ortq.rqcompat.book import Book, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redacted_url
+from ortq.wire import Layout
 from ortq.worker import jobs
-from ortq.worker.batch import batch_key, concat, group, split
+from ortq.worker.batch import group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
@@ -241,7 +242,7 @@ class Worker:
         pending, outcome.failures = jobs.check_all(
             batch.taken, self.model.signature, self.settings, batching, batch.batch_wait
         )
-        for members in group(pending, lambda p: batch_key(p.inputs), self.max_batch, lambda p: p.rows):
+        for members in group(pending, lambda p: p.key, self.max_batch, lambda p: p.rows):
             self._run_group(members, outcome)
 
     def _run_group(self, members: list[jobs.Pending], outcome: Outcome) -> None:
@@ -250,7 +251,7 @@ class Worker:
         t0 = time.perf_counter()
         timeouts = [m.job.timeout for m in members if m.job.timeout is not None and m.job.timeout > 0]
         try:
-            outputs = self.model.run(concat([m.inputs for m in members]), timeout=min(timeouts, default=None))
+            outputs = self.model.run(jobs.group_inputs(members), timeout=min(timeouts, default=None))
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
         except JobTimeout as exc:
             for member in members:  # running them again would only time out again
@@ -270,9 +271,13 @@ class Worker:
         if self.metrics is not None:
             self.metrics.batch_ran(len(members))
         result_ttl, size = self.settings.result_ttl, len(members)
+        # Outputs split from one run look alike for jobs of as many rows: one layout for them.
+        layouts: dict[int, Layout | None] = {}
         for member, outputs_of_job in zip(members, per_job, strict=True):
             ttl = jobs.ttl_of(member.job.result_ttl, result_ttl)
-            outcome.computed.append(jobs.Computed(member, outputs_of_job, run, size, ttl))
+            if member.rows not in layouts:
+                layouts[member.rows] = jobs.layout_of(outputs_of_job)
+            outcome.computed.append(jobs.Computed(member, outputs_of_job, run, size, ttl, layouts[member.rows]))
 
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
         return jobs.failure(member.started, member.job, exc, member.timings, member.nonce, self.settings)

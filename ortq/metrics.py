@@ -22,15 +22,17 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from socketserver import ThreadingMixIn
 from types import TracebackType
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import StartResponse, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ortq.errors import ConfigurationError
 
@@ -48,7 +50,7 @@ QUEUE_DEPTH = "ortq_queue_depth"
 
 #: The metric names as PromQL sees them (prometheus_client adds ``_total`` to counters;
 #: histograms add ``_bucket``, ``_sum`` and ``_count``). prometheus_client also exposes a
-#: ``<name>_created`` gauge per counter and histogram, which ortq does not rely on.
+#: ``<name>_created`` gauge per counter and for ``ortq_batch_size``, which ortq does not rely on.
 METRIC_NAMES: tuple[str, ...] = (
     SUCCESS + "_total",
     FAILURE + "_total",
@@ -92,6 +94,68 @@ class _QueueDepthCollector(Collector):
         return [family]
 
 
+class _Tally:
+    """One histogram's bucket counts and sum, for :class:`_Durations`."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        # The le labels as prometheus_client writes its own histograms' (1.0, 0.0001, +Inf).
+        self.les = [floatToGoString(bound) for bound in (*bounds, float("inf"))]  # type: ignore[no-untyped-call]
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def add(self, values: Sequence[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound (le) is >= value
+        self.sum += sum(values)
+
+    def family(self, label_values: list[str]) -> HistogramMetricFamily:
+        buckets, total = [], 0
+        for le, count in zip(self.les, self.counts, strict=True):
+            total += count
+            buckets.append((le, float(total)))
+        family = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+        family.add_metric(label_values, buckets, self.sum)
+        return family
+
+
+class _Durations(Collector):
+    """The per-job duration histograms, recorded a batch of jobs at a time: prometheus_client's
+    Histogram takes one observation a call, each under its own lock (~1 µs; four a job made the
+    metrics a sixth of a digits job's cost in the worker, docs/performance.md). Exposed as
+    prometheus_client's histograms are (``_bucket``, ``_sum``, ``_count``), less ``_created``."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        self._labels = [labels[name] for name in LABELS]
+        self._lock = threading.Lock()
+        #: Which timing each histogram records; the queue's first (the only one of a failed job).
+        self._by_timing = (
+            ("queue", _Tally(QUEUE_DURATION, "Seconds from enqueue to start, per job.", QUEUE_BUCKETS)),
+            ("decode", _Tally(DECODE_DURATION, "Seconds decoding and checking a job's request.", DURATION_BUCKETS)),
+            (
+                "run",
+                _Tally(
+                    COMPUTE_DURATION,
+                    "Seconds of the session.run that computed the job (its whole batch).",
+                    DURATION_BUCKETS,
+                ),
+            ),
+            ("encode", _Tally(ENCODE_DURATION, "Seconds encoding a job's response.", DURATION_BUCKETS)),
+        )
+
+    def add(self, timings: Iterable[Mapping[str, float]], only_queue: bool = False) -> None:
+        """Record each job's ``timings`` that are present (``only_queue``: its queue time alone)."""
+        timings = list(timings)
+        with self._lock:
+            for key, tally in self._by_timing[:1] if only_queue else self._by_timing:
+                tally.add([t[key] for t in timings if key in t])
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            return [tally.family(self._labels) for _, tally in self._by_timing]
+
+
 class WorkerMetrics:
     """The metrics one worker process exposes, with the methods its job path calls."""
 
@@ -118,12 +182,8 @@ class WorkerMetrics:
         self._failure = Counter(
             FAILURE, "Jobs answered with an error, by error class name.", (*LABELS, "reason"), registry=self.registry
         )
-        self._queue = histogram(QUEUE_DURATION, "Seconds from enqueue to start, per job.", QUEUE_BUCKETS)
-        self._compute = histogram(
-            COMPUTE_DURATION, "Seconds of the session.run that computed the job (its whole batch).", DURATION_BUCKETS
-        )
-        self._decode = histogram(DECODE_DURATION, "Seconds decoding and checking a job's request.", DURATION_BUCKETS)
-        self._encode = histogram(ENCODE_DURATION, "Seconds encoding a job's response.", DURATION_BUCKETS)
+        self._durations = _Durations(self.labels)
+        self.registry.register(self._durations)
         self._batch = histogram(BATCH_SIZE, "Jobs per session.run.", BATCH_BUCKETS)
         self._ready_gauge = Gauge(
             WORKER_READY, "1 while the worker serves its queue, else 0.", LABELS, registry=self.registry
@@ -137,22 +197,19 @@ class WorkerMetrics:
     def job_succeeded(self, timings: Mapping[str, float]) -> None:
         """Count a job answered with a result and record its ``timings`` (seconds; keys
         ``queue``, ``decode``, ``run``, ``encode``, any of which may be missing)."""
-        self._success.inc()
-        for key, histogram in (
-            ("queue", self._queue),
-            ("decode", self._decode),
-            ("run", self._compute),
-            ("encode", self._encode),
-        ):
-            if key in timings:
-                histogram.observe(timings[key])
+        self.jobs_succeeded([timings])
+
+    def jobs_succeeded(self, timings: Sequence[Mapping[str, float]]) -> None:
+        """job_succeeded for each of a batch's answered jobs, at once."""
+        if timings:
+            self._success.inc(len(timings))
+            self._durations.add(timings)
 
     def job_failed(self, reason: str, timings: Mapping[str, float]) -> None:
         """Count a job answered with an error; ``reason`` is the error's class name. Only its
         queue time is recorded: the other durations describe jobs that produced a result."""
         self._failure.labels(**self.labels, reason=reason).inc()
-        if "queue" in timings:
-            self._queue.observe(timings["queue"])
+        self._durations.add([timings], only_queue=True)
 
     def batch_ran(self, size: int) -> None:
         """Record one session.run over ``size`` jobs."""

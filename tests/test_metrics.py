@@ -9,12 +9,20 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from ortq.errors import ConfigurationError
 from ortq.localredis import LocalRedis
-from ortq.metrics import DURATION_BUCKETS, METRIC_NAMES, MetricsServer, WorkerMetrics, open_metrics_port
+from ortq.metrics import (
+    DURATION_BUCKETS,
+    METRIC_NAMES,
+    QUEUE_BUCKETS,
+    MetricsServer,
+    WorkerMetrics,
+    open_metrics_port,
+)
 
 LABELS = {"model": "digits", "adapter": "NVIDIA H200", "provider": "CUDAExecutionProvider", "worker": "w1"}
 
@@ -100,6 +108,40 @@ def test_observations_are_scraped_with_labels_counts_and_sums(metrics: WorkerMet
     assert value(samples, "ortq_batch_size_bucket", le="256.0") == 3
     assert value(samples, "ortq_inference_compute_duration_seconds_bucket", le="0.025") == 1
     assert value(samples, "ortq_inference_compute_duration_seconds_bucket", le="0.05") == 2
+
+
+def test_durations_recorded_a_batch_at_a_time_read_as_prometheus_clients_own_histograms(
+    metrics: WorkerMetrics, server: MetricsServer
+) -> None:
+    """The per-job duration histograms take a batch's jobs at once (WorkerMetrics.jobs_succeeded);
+    a scrape reads the same buckets, counts and sums as prometheus_client's Histogram fed the same
+    values one at a time, values on a bucket's bound included (le: less than or equal)."""
+    runs = [0.0, 0.0001, 0.00010001, 0.025, 0.05, 59.9, 60.0, 61.0, 1e9, *[0.003 * i for i in range(40)]]
+    batch = [{"queue": 2 * run, "run": run, "decode": run / 2, "encode": run} for run in runs]
+    metrics.jobs_succeeded(batch[:10])
+    metrics.jobs_succeeded(batch[10:])
+    metrics.jobs_succeeded([])
+    reference = CollectorRegistry()
+    for name, key, buckets in (
+        ("ortq_inference_queue_duration_seconds", "queue", QUEUE_BUCKETS),
+        ("ortq_inference_compute_duration_seconds", "run", DURATION_BUCKETS),
+        ("ortq_inference_decode_duration_seconds", "decode", DURATION_BUCKETS),
+        ("ortq_inference_encode_duration_seconds", "encode", DURATION_BUCKETS),
+    ):
+        histogram = Histogram(name, "reference", registry=reference, buckets=buckets)
+        for timings in batch:
+            histogram.observe(timings[key])
+    expected: dict[tuple[str, str | None], float] = {}
+    for family in text_string_to_metric_families(generate_latest(reference).decode()):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                expected[(sample.name, sample.labels.get("le"))] = sample.value
+    got = {(s.name, s.labels.get("le")): s.value for s in scrape(server) if (s.name, s.labels.get("le")) in expected}
+    assert len(expected) == 4 * 2 + 3 * (len(DURATION_BUCKETS) + 1) + len(QUEUE_BUCKETS) + 1  # sums, counts, buckets
+    assert got.keys() == expected.keys()
+    for key, count in expected.items():
+        assert got[key] == pytest.approx(count), key
+    assert value(scrape(server), "ortq_inference_request_success_total") == len(runs)
 
 
 def exposed_names(server: MetricsServer) -> set[str]:

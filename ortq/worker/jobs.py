@@ -114,9 +114,10 @@ def check(
         limit = settings.max_frame_bytes
         found = knownheaders.known_frame(frame, limit)
         if found is None:
-            request = wire.decode_request(frame, max_bytes=limit)  # every check; remembers a producer's header
+            request, learned = wire.decode_request_in_full(frame, max_bytes=limit)  # remembers a producer's header
             nonce = request.nonce
-            found = knownheaders.known_frame(frame, limit)
+            if learned is not None and nonce is not None:
+                found = learned, nonce
         if found is None:
             inputs = request.inputs
             signature.check_inputs(inputs)

@@ -287,13 +287,13 @@ class Replier:
 
     def _answer(self, outcome: Outcome, book: Book) -> None:
         finished: list[Finished] = []
-        failures = outcome.failures
+        failures = list(outcome.failures)
         for computed in outcome.computed:  # stage 6: encoded here, while the main thread runs the next batch
             answer = computed.answer(self.settings)
             if isinstance(answer, Finished):
                 finished.append(answer)
             else:
-                failures = [*failures, answer]
+                failures.append(answer)
         for failure in failures:
             self._fail(failure, book)
         presence = self.presence

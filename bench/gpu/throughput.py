@@ -18,7 +18,8 @@ in one run:
    so a miss says which side the time went to; and the mean of the sampled answers' ``run``
    timing (their group's run as the worker timed it) beside direct's time a run.
    ``--metrics``: each worker serves Prometheus metrics (``--metrics-port 0``), as deployed
-   workers do (deploy/), so that their per-job cost is in the figures.
+   workers do (deploy/), so that their per-job cost is in the figures. ``--job-timeout S``: every
+   job carries RQ's timeout, which the workers enforce on each run (ortq.worker.deadline).
    ``--rq-results on,off`` runs each drain twice, with and without RQ's result record per job
    (``ORTQ_RQ_RESULTS``), side by side; ``--rq-executions on,off`` likewise for RQ's execution
    records (``ORTQ_RQ_EXECUTIONS``); both: the four combinations.
@@ -67,6 +68,7 @@ class Workload:
     rows_per_job: int
     max_batch: int  # rows a worker runs at once
     jobs: int
+    job_timeout: float | None = None  # RQ's timeout of each job (--job-timeout)
 
 
 WORKLOADS = [
@@ -247,7 +249,8 @@ def ortq_drain(
         with Producer(settings=settings) as producer:
             producer.wait_for_workers(work.name, count, timeout=120)
             inputs = [job_inputs(work, seed) for seed in range(8)]
-            jobs = producer.submit_many(work.name, [inputs[i % 8] for i in range(work.jobs)])
+            many = [inputs[i % 8] for i in range(work.jobs)]
+            jobs = producer.submit_many(work.name, many, job_timeout=work.job_timeout)
             finished = layout.QueueKeys.of(keys.queue_name(work.name)).finished
             cpu_before = [cpu_seconds(w.pid) for w in workers]
             redis_before, scripts_before = redis_cpu(connection), scripts_usec(connection)
@@ -322,6 +325,7 @@ def measure(
         "jobs": work.jobs,
         "rows_per_job": work.rows_per_job,
         "batch_rows": work.max_batch,
+        "job_timeout": work.job_timeout,
         "frame_bytes": len(frame),
         "reply_bytes": reply_bytes,
     }
@@ -387,6 +391,7 @@ def main() -> None:
         help="on, off or on,off: the workers write RQ's execution records per job (ORTQ_RQ_EXECUTIONS)",
     )
     parser.add_argument("--metrics", action="store_true", help="workers serve Prometheus metrics, as deployed")
+    parser.add_argument("--job-timeout", type=float, help="each job's timeout (RQ's; a worker stops runs past it)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     counts = [int(c) for c in args.workers.split(",")]
@@ -401,7 +406,8 @@ def main() -> None:
     rows = []
     with LocalRedis(extra_args=extra) as server:
         for work in chosen:
-            scaled = Workload(**{**work.__dict__, "jobs": max(64, int(work.jobs * args.scale))})
+            jobs = max(64, int(work.jobs * args.scale))
+            scaled = Workload(**{**work.__dict__, "jobs": jobs, "job_timeout": args.job_timeout})
             rows.append(measure(server.url, args.models, scaled, args.provider, counts, variants, args.metrics))
     report(rows)
     ok = all(run["outputs_close"] for row in rows for run in row["runs"])

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
+from ortq.worker.deadline import RunDeadline
 from ortq.worker.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
 from ortq.worker.runtime import import_onnxruntime, install_advice, platform_refusal
 
@@ -143,19 +143,19 @@ class LoadedModel:
     output_names: list[str]
     #: Nodes each EP took (ONNX Runtime's assignment record); None where it cannot say.
     placement: dict[str, int] | None = None
+    #: Stops a run past its job's timeout.
+    deadline: RunDeadline = field(default_factory=RunDeadline, repr=False, compare=False)
 
     def run_options(self) -> Any:
         return importlib.import_module("onnxruntime").RunOptions()
 
     def run(self, inputs: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
         """``session.run``; with ``timeout``, stopped by ONNX Runtime itself once that many seconds
-        pass (``RunOptions.terminate``, set from a timer thread): a timer-based timeout like RQ's
-        cannot interrupt native code."""
+        pass (``RunOptions.terminate``, set by the worker's one watcher thread: ortq.worker.deadline)."""
         if timeout is None:
             return self._run(inputs, None)
         options = self.run_options()
-        timer = threading.Timer(timeout, setattr, (options, "terminate", True))
-        timer.start()
+        self.deadline.arm(options, timeout)
         try:
             return self._run(inputs, options)
         except Exception as exc:
@@ -163,7 +163,7 @@ class LoadedModel:
                 raise JobTimeout(f"the run was stopped after the job's timeout of {timeout:g} s") from exc
             raise
         finally:
-            timer.cancel()
+            self.deadline.disarm()
 
     def _run(self, inputs: dict[str, np.ndarray], run_options: Any) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs, run_options)

@@ -28,6 +28,7 @@ import redis
 from ortq import keys
 from ortq.dashboard import templates
 from ortq.dashboard.guard import Access
+from ortq.dashboard.throttle import FREE_FAILURES
 from ortq.errors import ConfigurationError, InferenceFailed
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
@@ -297,6 +298,30 @@ def test_chromium_logs_in_and_the_pages_work(guarded: Dashboard, target: Target,
     assert f"<td>{target.victim}</td>" in dom and "Loading..." not in dom
     dom = browse(guarded.url + "rq/", tmp_path / "b")
     assert target.victim not in dom
+
+
+def test_wrong_logins_lock_the_address_out(redis_server: LocalRedis, tmp_path: Path) -> None:
+    """Past FREE_FAILURES wrong logins in a row the client's address is refused for a while,
+    the right login included (else a guess that is right would still show); requests without a
+    login (a browser's first) do not count."""
+    dashboard = start_dashboard(redis_server.url, tmp_path, env={"ORTQ_DASHBOARD_AUTH": "ops:s3cret"})
+    try:
+        wrong, right = {"Authorization": basic_auth("ops", "guess")}, {"Authorization": basic_auth("ops", "s3cret")}
+        for _ in range(FREE_FAILURES + 5):
+            assert dashboard.request("/api/info", headers={"Authorization": ""}).status == 401
+        assert dashboard.request("/api/info", headers=right).status == 200
+        for _ in range(FREE_FAILURES):
+            assert dashboard.request("/api/info", headers=wrong).status == 401
+        assert dashboard.request("/api/info", headers=right).status == 200  # resets the count
+        for _ in range(FREE_FAILURES + 1):
+            assert dashboard.request("/api/info", headers=wrong).status == 401
+        refused = dashboard.request("/api/info", headers=right)
+        assert refused.status == 429 and refused.headers["Retry-After"] == "1", refused
+        assert "too many wrong logins" in refused.body
+        eventually(lambda: dashboard.request("/api/info", headers=right).status == 200, timeout=5)
+        assert "too many wrong logins from 127.0.0.1" in dashboard.log.read_text()
+    finally:
+        dashboard.stop()
 
 
 def test_auth_option_and_host_checks() -> None:

@@ -7,7 +7,8 @@ Checked on every request, before any view runs, in this order:
    That stops DNS rebinding: a web page whose own name is made to resolve to the dashboard's
    address would otherwise be same-origin with it, and pass every check below.
 2. **Authentication** (``--auth user:password`` or ``$ORTQ_DASHBOARD_AUTH``): HTTP Basic, both
-   parts compared in constant time; anything else is a 401.
+   parts compared in constant time; anything else is a 401. A client address that keeps sending
+   wrong logins is locked out for a while (429; ortq.dashboard.throttle).
 3. **State changes** are every route that accepts POST (rq-dashboard's delete, requeue, empty,
    compact). They must be a POST (405 otherwise: ``GET /rq/requeue/<queue>`` used to fire from an
    ``<img>``), come from the dashboard's own origin (``Origin``, else ``Referer``, must name the
@@ -32,6 +33,7 @@ from urllib.parse import urlsplit
 
 from flask import Flask, Response, g, request
 
+from ortq.dashboard.throttle import LoginThrottle
 from ortq.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -123,10 +125,11 @@ def _same_origin() -> str | None:
     return None
 
 
-def install(app: Flask, access: Access) -> None:
+def install(app: Flask, access: Access, throttle: LoginThrottle | None = None) -> None:
     """Check every request of ``app`` as this module says, and add the headers to every answer."""
     csrf_token = secrets.token_urlsafe(32)
     expected = None if access.credentials is None else tuple(part.encode() for part in access.credentials)
+    throttle = throttle or LoginThrottle()
 
     @app.before_request
     def check_request() -> Response | None:
@@ -135,13 +138,21 @@ def install(app: Flask, access: Access) -> None:
             return _refuse(400, f"this dashboard does not answer to the host {request.host!r}; start it with "
                                 f"--allowed-host {_host_name(request.host)} if that name is yours")  # fmt: skip
         if expected is not None:
+            client = request.remote_addr
+            if wait := throttle.retry_after(client):
+                return _refuse(429, f"too many wrong logins from {client}: try again in {wait} s",
+                               **{"Retry-After": str(wait)})  # fmt: skip
             given = request.authorization
-            user, password = (given.username, given.password) if given and given.type == "basic" else ("", "")
+            basic = given is not None and given.type == "basic"
+            user, password = (given.username, given.password) if given is not None and basic else ("", "")
             user_ok = hmac.compare_digest((user or "").encode(), expected[0])
             password_ok = hmac.compare_digest((password or "").encode(), expected[1])
             if not (user_ok and password_ok):
+                if basic:  # a login that was tried, not a browser's first request (it sends none)
+                    throttle.failed(client)
                 return _refuse(401, "log in (HTTP Basic) with the --auth user and password",
                                **{"WWW-Authenticate": 'Basic realm="ortq dashboard", charset="UTF-8"'})  # fmt: skip
+            throttle.succeeded(client)
         rule = request.url_rule
         if rule is None or "POST" not in (rule.methods or ()):
             return None

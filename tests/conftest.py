@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -144,3 +145,37 @@ def eventually(check: object, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"still false after {timeout} s: {check}")
         time.sleep(0.02)
+
+
+class Pool:
+    """``ortq pool`` as a subprocess, its output in a file."""
+
+    def __init__(self, config_path: Path, redis_url: str) -> None:
+        self.log = config_path.with_suffix(".log")
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ortq", "pool", "--config", str(config_path), "--redis-url", redis_url],
+                stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+            )  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the pool did not exit within {timeout} s:\n{self.text()}") from None
+
+
+@pytest.fixture
+def pools() -> Iterator[list[Pool]]:
+    started: list[Pool] = []
+    yield started
+    for pool in started:  # however the test ended, nothing outlives it
+        if pool.process.poll() is None:
+            pool.process.send_signal(signal.SIGTERM)
+            try:
+                pool.process.wait(30)
+            except subprocess.TimeoutExpired:
+                pool.process.kill()

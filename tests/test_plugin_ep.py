@@ -30,7 +30,7 @@ from ortq.errors import ConfigurationError
 from ortq.producer import Producer
 from ortq.worker.adapters import Adapter
 from ortq.worker.plugin_ep import EpDeviceInfo, adapter_from_ep_device, dawn_choice, resolve_webgpu
-from tests.conftest import REPO, WorkerProcesses
+from tests.conftest import REPO, Pool, WorkerProcesses
 
 GiB = 1024**3
 
@@ -176,6 +176,65 @@ def test_general_plugin_provider_with_the_webgpu_library(
     listed = subprocess.run([sys.executable, "-m", "ortq", "adapters", "--ep-library", library], check=True,
                             capture_output=True, text=True, cwd=REPO).stdout  # fmt: skip
     assert "plugin:WebGpuExecutionProvider" in listed
+
+
+@needs_webgpu
+def test_a_pool_of_webgpu_and_plugin_workers(
+    tmp_path: Path, tiny_path: Path, producer: Producer, redis_url: str, model_name: str, pools: list[Pool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """``ortq pool`` plans WebGPU and plugin-EP workers as the workers resolve them, starts them with
+    their adapter's stable spec and their EP library, and they serve what the CPU computes."""
+    import onnxruntime_ep_webgpu
+
+    library = onnxruntime_ep_webgpu.get_library_path()
+    monkeypatch.setenv("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")  # the plugin path sets nothing for the EP
+    shutil.copy(MODEL_PATH, tmp_path / "digits.onnx")
+    shutil.copy(tiny_path, tmp_path / "tiny.onnx")
+    web, plug = f"{model_name}-web", f"{model_name}-plug"
+    path = tmp_path / "pool.toml"
+    path.write_text(f"""
+[pool]
+grace_seconds = 20
+[[model]]
+name = "{web}"
+path = "digits.onnx"
+provider = "webgpu"
+[[model.workers]]
+count = 2
+[[model]]
+name = "{plug}"
+path = "tiny.onnx"
+provider = "plugin"
+ep_library = "{library}"
+[[model.workers]]
+adapter = "cpu"
+count = 1
+""")
+    check = subprocess.run([sys.executable, "-m", "ortq", "pool", "--config", str(path), "--check"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    [vulkan] = [line for line in check.stdout.splitlines() if line.startswith(web)]
+    assert "webgpu" in vulkan and "llvmpipe" in vulkan and "uuid:" in vulkan, check.stdout
+    [plugin] = [line for line in check.stdout.splitlines() if line.startswith(plug)]
+    assert "plugin" in plugin and "cpu -> " in plugin, check.stdout
+
+    pool = Pool(path, redis_url)
+    pools.append(pool)
+    records = producer.wait_for_workers(web, 2, timeout=120) + producer.wait_for_workers(plug, 1, timeout=120)
+    assert [r["provider"] for r in records] == ["WebGpuExecutionProvider"] * 3, pool.text()
+    pixels = np.load(HOLDOUT_PATH)["pixels"][:16]
+    jobs = producer.submit_many(web, [{"pixels": row[None]} for row in pixels])
+    for got, row in zip(producer.results(jobs, timeout=120), pixels, strict=True):
+        want = cpu_run(MODEL_PATH, {"pixels": row[None]})
+        np.testing.assert_allclose(got["probabilities"], want["probabilities"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(got["label"], want["label"])
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(producer.infer(plug, {"x": x}, timeout=60)["y"], cpu_run(tiny_path, {"x": x})["y"])
+    [plugged] = producer.workers(plug)
+    assert plugged["adapter"]["ep_library"] == library and plugged["adapter"]["kind"] == "cpu"
+    pool.process.terminate()
+    assert pool.wait() == 0, pool.text()
 
 
 @needs_webgpu

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from ortq.pool.supervisor import Supervisor
 from ortq.producer import Producer
 from ortq.shards import ShardMap
 from ortq.worker.adapters import Adapter
-from tests.conftest import REPO, eventually
+from tests.conftest import REPO, Pool, eventually
 from tests.test_adapters import LAPTOP
 
 MiB, GiB = 1024**2, 1024**3
@@ -113,7 +112,11 @@ BAD_MODELS = [
     ("max_batchs = 4\n", GROUP, "[[model]] #1 ('m'): unknown key 'max_batchs'; did you mean 'max_batch'?"),
     ("max_batch = '16'\n", GROUP, "[[model]] #1 ('m'): max_batch must be an integer >= 1, got '16' (a string)"),
     ("threads = 0\n", GROUP, "threads must be an integer >= 1, got 0"),
-    ("provider = 'gpu'\n", GROUP, "provider must be one of cpu, cuda, dml, auto, got 'gpu'"),
+    ("provider = 'gpu'\n", GROUP, "provider must be one of cpu, cuda, dml, webgpu, plugin, auto, got 'gpu'"),
+    ("provider = 'winml'\n", GROUP, "provider 'winml' is not planned by ortq pool"),
+    ("provider = 'plugin'\n", GROUP, "provider 'plugin' needs ep_library"),
+    ("provider = 'cuda'\nep_library = 'libep.so'\n", GROUP, "ep_library and ep_name apply to provider 'plugin' only"),
+    ("provider = 'webgpu'\nep_name = 'X'\n", GROUP, "ep_library and ep_name apply to provider 'plugin' only"),
     ("max_wait_ms = 2\n", GROUP, "max_wait_ms only applies with max_batch > 1"),
     ("max_batch = 4\n", GROUP, "max_batch > 1 needs rows_independent = true: batching joins several jobs' rows"),
     ("policy = 'max-performance'\n", GROUP, "policy applies to provider 'auto' only, not 'cpu'"),
@@ -236,6 +239,82 @@ def test_twin_gpus_each_worker_gets_its_device_by_a_stable_spec(tmp_path: Path, 
     assert workers == {("cuda", 0): 2, ("cuda", 1): 1, ("dml", 1): 1, ("cpu", None): 1}
     text = format_plan(plan)
     assert "uuid:GPU-9d01 -> uuid:GPU-9d01be42-aaaa-bbbb-cccc-ddddeeeeffff" in text
+
+
+#: A Linux box whose Vulkan loader lists an NVIDIA GPU and Mesa's lavapipe (WebGPU rows, as
+#: plugin_ep.vulkan_adapters makes them), and two plugin EP libraries' devices.
+VULKAN_BOX = [
+    Adapter("cuda", 0, "NVIDIA H200", "discrete", uuid="GPU-0c1d2e3f-1111-2222-3333-444455556666",
+            memory_bytes=141 * GiB),
+    Adapter("webgpu", 0, "NVIDIA H200", "discrete", uuid="GPU-0c1d2e3f-1111-2222-3333-444455556666",
+            memory_bytes=141 * GiB, ep_name="WebGpuExecutionProvider"),
+    Adapter("webgpu", 1, "llvmpipe (LLVM 19.1.7, 256 bits)", "software", software=True,
+            uuid="6d657361-3235-2e30-2e37-000000000000", ep_name="WebGpuExecutionProvider"),
+    Adapter("cpu", None, "Intel Xeon", "cpu", memory_bytes=128 * GiB),
+]  # fmt: skip
+ACME_ROWS = [
+    Adapter("plugin", 0, "CPU", "cpu", ep_name="AcmeEP"),
+    Adapter("plugin", 1, "Acme NPU", "npu", luid="0x0000000000001234", ep_name="AcmeEP"),
+]
+CPU_ONLY_ROWS = [Adapter("plugin", 0, "CPU", "cpu", ep_name="CpuOnlyEP")]
+
+
+def test_webgpu_and_plugin_groups_are_planned_as_their_workers_resolve(tmp_path: Path, model_file: Path) -> None:
+    (tmp_path / "libacme.so").write_bytes(b"")
+    text = """
+        [pool]
+        measure_memory = false
+        [[model]]
+        name = "web"
+        path = "digits.onnx"
+        provider = "webgpu"
+        [[model.workers]]
+        count = 2
+        [[model]]
+        name = "acme"
+        path = "digits.onnx"
+        provider = "plugin"
+        ep_library = "libacme.so"
+        ep_name = "AcmeEP"
+        [[model.workers]]
+        count = 1
+        [[model.workers]]
+        adapter = "cpu"
+        count = 1
+        """
+    pool = config(text, tmp_path)
+    library = (tmp_path / "libacme.so").resolve()
+    assert pool.models[1].ep_library == library
+    plan = make_plan(pool, VULKAN_BOX, measure=no_measure, plugins={(library, "AcmeEP"): ACME_ROWS})
+    slots = build_slots(plan, ShardMap("redis://127.0.0.1:6379/5"))
+    argv = {s.label: s.argv[s.argv.index("worker") + 1 :] for s in slots}
+    # WebGPU by default: the GPU Dawn's high-performance preference picks, by its stable spec.
+    assert argv["web.0"][argv["web.0"].index("--adapter") + 1] == "uuid:GPU-0c1d2e3f-1111-2222-3333-444455556666"
+    assert "--ep-library" not in argv["web.0"]
+    # The plugin EP: its first device that is not the CPU; the CPU only where asked for.
+    acme = [argv["acme.0"], argv["acme.1"]]
+    assert [a[a.index("--adapter") + 1] for a in acme] == ["luid:0x0000000000001234", "0"]
+    assert all(a[a.index("--ep-library") + 1] == str(library) and a[a.index("--ep-name") + 1] == "AcmeEP" for a in acme)
+    assert {(load.adapter.provider, load.adapter.index): load.workers for load in plan.loads} == {
+        ("webgpu", 0): 2,
+        ("plugin", 1): 1,
+        ("plugin", 0): 1,
+    }
+    assert "256 MiB" in format_plan(plan) and "WebGPU device" in format_plan(plan)
+
+    # A GPU no power preference reaches is refused, as its worker would refuse it.
+    software = config(text.replace("count = 2", 'adapter = "name:llvmpipe"\ncount = 2'), tmp_path)
+    with pytest.raises(
+        ConfigurationError, match=r"\[\[model\]\] 'web' \[\[model.workers\]\] #1: .*no preference reaches"
+    ):
+        make_plan(software, VULKAN_BOX, measure=no_measure, plugins={(library, "AcmeEP"): ACME_ROWS})
+    # An EP that offers only the CPU is not run there unasked; another library's devices are its own.
+    cpu_only = config(text.replace('ep_name = "AcmeEP"', 'ep_name = "CpuOnlyEP"'), tmp_path)
+    rows = {(library, "CpuOnlyEP"): CPU_ONLY_ROWS, (library, "AcmeEP"): ACME_ROWS}
+    with pytest.raises(AdapterNotFound, match="CpuOnlyEP offers only CPU devices"):
+        make_plan(cpu_only, VULKAN_BOX, measure=no_measure, plugins=rows)
+    with pytest.raises(AdapterNotFound, match="no plugin adapters on this machine"):
+        make_plan(pool, VULKAN_BOX, measure=no_measure, plugins={})
 
 
 def test_estimates_say_what_was_measured(tmp_path: Path, model_file: Path) -> None:
@@ -396,40 +475,6 @@ def test_the_supervisor_restarts_a_real_exit_75_at_once(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ 4. real pools
-
-
-class Pool:
-    """``ortq pool`` as a subprocess, its output in a file."""
-
-    def __init__(self, config_path: Path, redis_url: str) -> None:
-        self.log = config_path.with_suffix(".log")
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "ortq", "pool", "--config", str(config_path), "--redis-url", redis_url],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-            )  # fmt: skip
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the pool did not exit within {timeout} s:\n{self.text()}") from None
-
-
-@pytest.fixture
-def pools() -> Iterator[list[Pool]]:
-    started: list[Pool] = []
-    yield started
-    for pool in started:  # however the test ended, nothing outlives it
-        if pool.process.poll() is None:
-            pool.process.send_signal(signal.SIGTERM)
-            try:
-                pool.process.wait(30)
-            except subprocess.TimeoutExpired:
-                pool.process.kill()
 
 
 def alive(pid: int) -> bool:

@@ -66,9 +66,9 @@ def pool(
     SIGINT/SIGTERM (CTRL_BREAK on Windows) stop every worker cleanly within grace_seconds.
     """
     from ortq.pool.config import PoolConfig
+    from ortq.pool.devices import enumerate_for
     from ortq.pool.plan import format_plan, make_plan
     from ortq.settings import Settings
-    from ortq.worker.adapters import enumerate_adapters
 
     config = PoolConfig.from_file(config_path)
     # An explicit --redis-url wins over the file, and the file over an ambient $ORTQ_REDIS_URL.
@@ -80,8 +80,8 @@ def pool(
         raise ConfigurationError(f"{config.source}: [pool] redis_url: {exc}") from None
     # The map's own messages name where it came from; its default is the pool's Redis.
     shard_map = config.shard_map(Settings.from_env(redis_url=settings.redis_url, redis_shards=shards))
-    adapters, notes = enumerate_adapters()
-    plan = make_plan(config, adapters, notes)
+    adapters, notes, plugins = enumerate_for(config)
+    plan = make_plan(config, adapters, notes, plugins=plugins)
     click.echo(format_plan(plan, shard_map), err=not check)
     refusals = plan.refusals()
     if refusals and not force:

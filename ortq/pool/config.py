@@ -21,7 +21,7 @@ from ortq.settings import Settings, redacted_url
 from ortq.shards import ENV_VAR as SHARDS_ENV_VAR
 from ortq.shards import ShardMap
 
-PROVIDERS = ("cpu", "cuda", "dml", "auto")
+PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "plugin", "auto")
 POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
 
 #: Variables an env table must not set, and why. The ORTQ_* ones are worker options the pool sets
@@ -32,6 +32,8 @@ _FROM_KEY = {
     "ORTQ_MODEL_NAME": "name",
     "ORTQ_PROVIDER": "provider",
     "ORTQ_ADAPTER": "adapter",
+    "ORTQ_EP_LIBRARY": "ep_library",
+    "ORTQ_EP_NAME": "ep_name",
     "ORTQ_THREADS": "threads",
     "ORTQ_MAX_BATCH": "max_batch",
     "ORTQ_MAX_WAIT_MS": "max_wait_ms",
@@ -100,6 +102,9 @@ class ModelConfig:
     env: Env = ()
     #: This model's Redis (a shard of its own, ortq/shards.py); None: the pool's.
     redis_url: str | None = None
+    #: provider "plugin": the EP's shared library, and which of its EPs (None: its only one).
+    ep_library: Path | None = None
+    ep_name: str | None = None
 
     @property
     def worker_count(self) -> int:
@@ -321,7 +326,19 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
     path = table.string("path")
     if path is None:
         raise table.error("path is missing (the .onnx file)")
-    provider = table.string("provider", "cpu", PROVIDERS) or "cpu"
+    provider = table.string("provider", "cpu") or "cpu"
+    if provider == "winml":
+        raise table.error(
+            "provider 'winml' is not planned by ortq pool (Windows ML's devices come from its catalog at each "
+            "worker's start): run `ortq worker --provider winml` under a service manager instead (deploy/)"
+        )
+    if provider not in PROVIDERS:
+        raise table.error(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    ep_library, ep_name = table.string("ep_library"), table.string("ep_name")
+    if provider == "plugin" and ep_library is None:
+        raise table.error("provider 'plugin' needs ep_library (the path of the execution provider's shared library)")
+    if provider != "plugin" and (ep_library or ep_name):
+        raise table.error(f"ep_library and ep_name apply to provider 'plugin' only, not {provider!r}")
     max_batch = table.integer("max_batch", 1, 1)
     max_wait_ms = table.number("max_wait_ms", 0.0, 0)
     memory_mib = table.integer("memory_per_worker_mib", None, 1)
@@ -342,6 +359,8 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         memory_per_worker_bytes=None if memory_mib is None else memory_mib * 1024**2,
         env=table.env("model.env"),
         redis_url=_redis_url(table),
+        ep_library=None if ep_library is None else (base_dir / ep_library).resolve(),
+        ep_name=ep_name,
     )
     table.finish()
     if not model.groups:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from ortq.errors import AdapterNotFound, ConfigurationError
 from ortq.pool.config import RESERVED_ENV, Env, ModelConfig, PoolConfig, WorkerGroup
+from ortq.pool.devices import PluginDevices, candidates, choose
 from ortq.pool.measure import SessionFootprint, measure_session
 from ortq.settings import redacted_url
 from ortq.shards import ShardMap
-from ortq.worker.adapters import Adapter, select_adapter
+from ortq.worker.adapters import Adapter
 
 MiB = 1024**2
 GiB = 1024**3
@@ -36,8 +37,13 @@ SESSION_FILE_FACTOR = 2
 SESSION_FIXED_BYTES = 16 * MiB
 #: What one worker process costs on its device before any session (estimated, never measured by the
 #: plan): the CPU row is the interpreter + ortq + ONNX Runtime (~65 MiB measured with the CPU build on
-#: Linux, rounded up); CUDA's is its context plus cuBLAS/cuDNN handles; DirectML's a D3D12 device.
-PROCESS_OVERHEAD_BYTES = {"cpu": 100 * MiB, "cuda": 512 * MiB, "dml": 256 * MiB, "auto": 100 * MiB}
+#: Linux, rounded up); CUDA's is its context plus cuBLAS/cuDNN handles; DirectML's a D3D12 device;
+#: WebGPU's and a plugin EP's their device (Dawn's, the EP's), estimated alike.
+PROCESS_OVERHEAD_BYTES = {
+    "cpu": 100 * MiB, "cuda": 512 * MiB, "dml": 256 * MiB, "webgpu": 256 * MiB, "plugin": 256 * MiB, "auto": 100 * MiB
+}  # fmt: skip
+_DEVICE = {"cpu": "process", "cuda": "CUDA context", "dml": "D3D12 device", "webgpu": "WebGPU device",
+           "plugin": "EP device", "auto": "process"}  # fmt: skip
 #: Above this share of an adapter's memory the plan warns; above 1.0 it refuses (unless --force).
 WARN_FRACTION = 0.8
 
@@ -154,23 +160,27 @@ def _where(config: PoolConfig, model: ModelConfig, number: int) -> str:
 def resolve(
     config: PoolConfig, model: ModelConfig, number: int, adapters: Sequence[Adapter], notes: Sequence[str]
 ) -> tuple[Adapter | None, str | None]:
-    """The adapter of group ``number`` (1-based) of ``model`` and the spec its workers get."""
+    """The adapter of group ``number`` (1-based) of ``model`` and the spec its workers get;
+    ``adapters``: the model's candidates (ortq.pool.devices.candidates)."""
     group = model.groups[number - 1]
     if model.provider == "auto":
         return None, None
     if model.provider == "cpu":
         cpu = next((a for a in adapters if a.provider == "cpu"), None)
         return cpu or Adapter("cpu", None, "CPU", "cpu"), None
-    spec = group.adapter or "0"
+    # Without a spec: what the provider's workers take by default.
+    shown = group.adapter or {"webgpu": "high-performance", "plugin": "the EP's first non-CPU device"}.get(
+        model.provider, "0"
+    )
     if not any(a.provider == model.provider for a in adapters):
         why = "; ".join(notes) or "none enumerated"
         raise AdapterNotFound(
-            f"{_where(config, model, number)}: adapter {spec!r}: no {model.provider} adapters on this machine ({why})"
+            f"{_where(config, model, number)}: adapter {shown!r}: no {model.provider} adapters on this machine ({why})"
         )
     try:
-        adapter = select_adapter(spec, adapters, model.provider)
+        adapter = choose(model, group.adapter, adapters)
     except ConfigurationError as exc:  # AdapterNotFound, AmbiguousAdapter, a bad spec: keep the class
-        raise type(exc)(f"{_where(config, model, number)}: adapter {spec!r}: {exc}") from None
+        raise type(exc)(f"{_where(config, model, number)}: adapter {shown!r}: {exc}") from None
     return adapter, stable_spec(adapter)
 
 
@@ -191,7 +201,7 @@ def estimate(model: ModelConfig, footprint: SessionFootprint | None) -> Estimate
     if model.memory_per_worker_bytes is not None:
         return Estimate(model.memory_per_worker_bytes, "configured", "memory_per_worker_mib in the pool config")
     overhead = PROCESS_OVERHEAD_BYTES[model.provider]
-    device = {"cpu": "process", "cuda": "CUDA context", "dml": "D3D12 device", "auto": "process"}[model.provider]
+    device = _DEVICE[model.provider]
     if footprint is not None and model.provider in ("cpu", "auto"):
         return Estimate(
             footprint.baseline_bytes + footprint.session_bytes,
@@ -230,9 +240,14 @@ def _footprint(model: ModelConfig, config: PoolConfig, measure: Measure, notes: 
 
 
 def make_plan(
-    config: PoolConfig, adapters: Sequence[Adapter], notes: Sequence[str] = (), measure: Measure = measure_session
+    config: PoolConfig,
+    adapters: Sequence[Adapter],
+    notes: Sequence[str] = (),
+    measure: Measure = measure_session,
+    plugins: PluginDevices | None = None,
 ) -> Plan:
-    """Resolve every group against ``adapters`` (one fresh enumeration) and estimate its memory.
+    """Resolve every group against ``adapters`` (one fresh enumeration; ``plugins``: each plugin
+    library's devices, ortq.pool.devices.enumerate_for) and estimate its memory.
 
     Raises ConfigurationError for a missing model file, an adapter spec that matches no adapter or
     several, and a CPU model whose session cannot be created.
@@ -244,7 +259,8 @@ def make_plan(
     for model in config.models:
         if not model.path.is_file():
             raise ConfigurationError(f"{config.source}: [[model]] {model.name!r}: path {model.path} is not a file")
-        resolved = [resolve(config, model, n, adapters, notes) for n in range(1, len(model.groups) + 1)]
+        mine = candidates(model, adapters, plugins or {})
+        resolved = [resolve(config, model, n, mine, notes) for n in range(1, len(model.groups) + 1)]
         key = (model.path, model.threads, model.max_batch)
         if key not in cache:
             cache[key] = _footprint(model, config, measure, found_notes)
@@ -276,6 +292,8 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
     for p in plan.placements:
         m = p.model
         options = ["--model", str(m.path), "--name", m.name, "--provider", m.provider]
+        options += ["--ep-library", str(m.ep_library)] if m.ep_library else []
+        options += ["--ep-name", m.ep_name] if m.ep_name else []
         options += ["--adapter", p.adapter_arg] if p.adapter_arg else []
         options += ["--threads", str(m.threads)] if m.threads else []
         batching = ["--max-batch", str(m.max_batch), "--max-wait-ms", f"{m.max_wait_ms:g}", "--rows-independent"]

@@ -251,9 +251,8 @@ def _plugin_adapters(library: str, ep_name: str | None) -> list[Adapter]:
 
     from ortq.worker import plugin_ep
 
-    before = {d.ep_name for d in onnxruntime.get_ep_devices()}
-    plugin_ep.register_library(onnxruntime, library, ep_name or Path(library).stem)
-    names = [ep_name] if ep_name else plugin_ep.library_ep_names(onnxruntime, before)
+    added = plugin_ep.register_library(onnxruntime, library, ep_name or Path(library).stem)
+    names = [ep_name] if ep_name else added
     return [a for name in names for a in plugin_ep.plugin_adapters(onnxruntime, name, "plugin")]
 
 

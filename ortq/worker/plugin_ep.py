@@ -51,8 +51,8 @@ DAWN_PREFERENCE = {"high-performance": "high-performance", "minimum-power": "low
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
 _HARDWARE_TYPES = {"CPU": "cpu", "GPU": "gpu", "NPU": "npu"}
-#: Libraries registered in this process: resolved path -> registration name.
-_registered: dict[str, str] = {}
+#: Libraries registered in this process: resolved path -> the EPs whose devices its registration added.
+_registered: dict[str, list[str]] = {}
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,11 @@ def ep_failure(provider: str, text: str) -> str:
     return cause
 
 
-def register_library(ort: Any, library: str, name: str, advice: str = "") -> None:
+def register_library(ort: Any, library: str, name: str, advice: str = "") -> list[str]:
     """Register ``library`` with ONNX Runtime once per process; ProviderUnavailable with
-    ONNX Runtime's reason (a missing file, an incompatible ONNX Runtime, ...) and ``advice``."""
+    ONNX Runtime's reason (a missing file, an incompatible ONNX Runtime, ...) and ``advice``.
+    Returns the names of the EPs whose devices its registration added (remembered: the same
+    answer for a library registered before)."""
     if not hasattr(ort, "register_execution_provider_library"):
         raise ProviderUnavailable(
             f"plugin execution providers need onnxruntime >= 1.23 (register_execution_provider_library); "
@@ -156,7 +158,8 @@ def register_library(ort: Any, library: str, name: str, advice: str = "") -> Non
         )
     path = str(Path(library).resolve())
     if path in _registered:
-        return
+        return _registered[path]
+    before = {d.ep_name for d in ort.get_ep_devices()}
     try:
         ort.register_execution_provider_library(name, path)
     except Exception as exc:  # ONNX Runtime's own exception types
@@ -165,7 +168,31 @@ def register_library(ort: Any, library: str, name: str, advice: str = "") -> Non
                 f"onnxruntime {ort.__version__} could not register the execution provider library {path}: "
                 f"{_reason(exc)}. {advice}".strip()
             ) from exc
-    _registered[path] = name
+    _registered[path] = sorted({d.ep_name for d in ort.get_ep_devices()} - before)
+    return _registered[path]
+
+
+def open_library(ort: Any, library: str, ep_name: str | None) -> tuple[str, str, list[Adapter]]:
+    """Register a plugin EP ``library`` (``--provider plugin --ep-library``) and list the devices of
+    its EP ``ep_name`` (None: the one EP it has): (the registration's name, the EP's name, its
+    devices as ``plugin`` adapters). ConfigurationError when the EP is not there or not named."""
+    registration = ep_name or Path(library).stem
+    added = register_library(ort, library, registration)
+    if ep_name is None:
+        if len(added) != 1:
+            raise ConfigurationError(f"{library} offers the EPs {added}: say which with --ep-name")
+        ep_name = added[0]
+    if ep_name not in {d.ep_name for d in ort.get_ep_devices()}:
+        offered = added or "none new"
+        raise ConfigurationError(f"no device of an EP named {ep_name!r} after registering {library} ({offered})")
+    return registration, ep_name, plugin_adapters(ort, ep_name, "plugin")
+
+
+def choose_plugin_adapter(spec: str | None, adapters: Sequence[Adapter], ep_name: str) -> Adapter:
+    """The plugin EP's device ``--adapter spec`` names; without one, its first that is not the CPU."""
+    if spec is not None:
+        return select_adapter(spec, adapters, "plugin")
+    return default_plugin_adapter(adapters, ep_name)
 
 
 def ep_devices(ort: Any, ep_name: str) -> list[Any]:
@@ -187,11 +214,6 @@ def default_plugin_adapter(adapters: Sequence[Adapter], ep_name: str) -> Adapter
             explain(f"{ep_name} offers only CPU devices; to run it there anyway, say so with --adapter cpu", adapters)
         )
     raise AdapterNotFound(f"{ep_name} offers no device on this machine (get_ep_devices() lists none for it)")
-
-
-def library_ep_names(ort: Any, before: set[str]) -> list[str]:
-    """The EP names that appeared in ``get_ep_devices()`` since ``before`` (a registration's)."""
-    return sorted({d.ep_name for d in ort.get_ep_devices()} - before)
 
 
 # --------------------------------------------------------------------------- WebGPU

@@ -182,23 +182,8 @@ def _resolve_plugin(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPla
         plan = replace(base, ep_name=adapter.ep_name, libraries=libraries, ep_device=index)
         return plan, {**adapter.to_json(), "registered": [n for n, _ in libraries]}
     library = str(config.ep_library)
-    before = {d.ep_name for d in ort.get_ep_devices()}
-    registration = config.ep_name or Path(library).stem
-    plugin_ep.register_library(ort, library, registration)
-    ep_name = config.ep_name
-    if ep_name is None:
-        names = plugin_ep.library_ep_names(ort, before)
-        if len(names) != 1:
-            raise ConfigurationError(f"{library} offers the EPs {names}: say which with --ep-name")
-        ep_name = names[0]
-    if ep_name not in {d.ep_name for d in ort.get_ep_devices()}:
-        offered = plugin_ep.library_ep_names(ort, before) or "none new"
-        raise ConfigurationError(f"no device of an EP named {ep_name!r} after registering {library} ({offered})")
-    adapters = plugin_ep.plugin_adapters(ort, ep_name, "plugin")
-    if config.adapter is not None:
-        adapter = select_adapter(config.adapter, adapters, "plugin")
-    else:
-        adapter = plugin_ep.default_plugin_adapter(adapters, ep_name)
+    registration, ep_name, adapters = plugin_ep.open_library(ort, library, config.ep_name)
+    adapter = plugin_ep.choose_plugin_adapter(config.adapter, adapters, ep_name)
     plan = replace(base, ep_name=ep_name, libraries=((registration, library),), ep_device=adapter.index)
     return plan, {**adapter.to_json(), "ep_library": library}
 

@@ -27,7 +27,7 @@ import redis
 from ortq import keys, wire
 from ortq.errors import CorruptRecord
 from ortq.producer import Producer
-from ortq.rqcompat import layout
+from ortq.rqcompat import layout, records
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses, eventually
 from tests.test_fuzz import job_fields
@@ -222,6 +222,27 @@ def test_worker_records_of_the_wrong_type_are_rewritten(served: Served, key: Cal
     served.r.rpush(name, "forged")
     eventually(lambda: served.r.type(name) != b"list", BOUND)
     eventually(lambda: len(served.producer.workers(served.model)) == 1, BOUND)
+
+
+def test_pruning_a_queues_workers_removes_the_dead_and_skips_what_no_worker_wrote(
+    connection: redis.Redis, model_name: str
+) -> None:
+    """records.prune_workers, which the upkeep runs (RQ's clean_worker_registry): a registered worker
+    whose hash is gone leaves both registration sets; a live one stays; a member longer than any
+    worker key is neither fetched for a lookup nor fails the pass; another type there is no set."""
+    queue = layout.QueueKeys.of(keys.queue_name(model_name))
+    live, dead, huge = layout.worker_key(f"{model_name}-live"), layout.worker_key(f"{model_name}-dead"), "w" * 5000
+    connection.hset(live, "state", "idle")
+    connection.sadd(queue.workers, live, dead, huge)
+    connection.sadd(layout.workers_key(), live, dead)
+    assert records.prune_workers(connection, queue.name) == 1
+    assert connection.smembers(queue.workers) == {live.encode(), huge.encode()}
+    assert not connection.sismember(layout.workers_key(), dead) and connection.sismember(layout.workers_key(), live)
+    connection.delete(queue.workers)
+    connection.rpush(queue.workers, "forged")
+    assert records.prune_workers(connection, queue.name) == 0
+    connection.delete(queue.workers, live)
+    connection.srem(layout.workers_key(), live)
 
 
 # ------------------------------------------------------------------ entries and records

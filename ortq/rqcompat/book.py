@@ -158,6 +158,16 @@ def execution_tag(worker_name: str) -> str:
     return hashlib.blake2b(worker_name.encode(), digest_size=TAG_DIGITS // 2).hexdigest()
 
 
+def queue_worker_keys(connection: redis.Redis, queue: QueueKeys, limit: int) -> list[str]:
+    """Up to ``limit`` members of ``queue``'s RQ worker registration set (worker hash keys, as RQ
+    writes them); nothing when the key holds another type, and no member longer than any worker
+    key could be (anyone with write access may have added it)."""
+    if keys.as_text(connection.type(queue.workers)) != "set":
+        return []
+    members = cast(list[bytes], connection.srandmember(queue.workers, limit) or [])
+    return [keys.as_text(m) for m in members if len(m) <= 4096]
+
+
 class Book:
     """The scripts, bound to one connection, one worker and one queue; with ``executions``
     (Settings.rq_executions), RQ's execution records of each job are written too."""
@@ -410,14 +420,6 @@ class Book:
 
     def _queue_workers(self) -> list[str]:
         """Names of the workers in this queue's RQ registration set (at most ``MAX_QUEUE_WORKERS``)."""
-        workers = self.queue.workers
-        if keys.as_text(self.connection.type(workers)) != "set":
-            return []
-        members = cast(list[bytes], self.connection.srandmember(workers, MAX_QUEUE_WORKERS) or [])
         prefix = layout.worker_key("")
-        # A member no worker could have written (not a worker key, or past any name's length) is skipped.
-        return [
-            name[len(prefix) :]
-            for name in map(keys.as_text, (m for m in members if len(m) <= 4096))
-            if name.startswith(prefix)
-        ]
+        members = queue_worker_keys(self.connection, self.queue, MAX_QUEUE_WORKERS)
+        return [member[len(prefix) :] for member in members if member.startswith(prefix)]

@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis
 
 from ortq import keys
 from ortq.errors import ConfigurationError
 from ortq.rqcompat import layout
-from ortq.rqcompat.book import StartedJob
+from ortq.rqcompat.book import StartedJob, queue_worker_keys
 from ortq.rqcompat.layout import utcformat, utcnow
 
 log = logging.getLogger("ortq.worker")
@@ -170,10 +170,8 @@ def prune_workers(connection: redis.Redis, queue_name: str, limit: int = 200) ->
     """Remove from RQ's registration sets the workers of this queue whose hash is gone (killed
     workers that could not unregister), as RQ's ``clean_worker_registry``; at most ``limit`` names
     looked at per call. Returns how many were removed."""
-    queue_workers = layout.QueueKeys.of(queue_name).workers
-    if connection.type(queue_workers) not in (b"set", "set"):
-        return 0
-    members = [keys.as_text(m) for m in cast(list[bytes], connection.srandmember(queue_workers, limit) or [])]
+    queue = layout.QueueKeys.of(queue_name)
+    members = queue_worker_keys(connection, queue, limit)
     if not members:
         return 0
     with connection.pipeline(transaction=False) as pipe:
@@ -183,7 +181,7 @@ def prune_workers(connection: redis.Redis, queue_name: str, limit: int = 200) ->
     gone = [m for m, exists in zip(members, alive, strict=True) if not exists]
     if gone:
         with connection.pipeline() as pipe:
-            pipe.srem(queue_workers, *gone)
+            pipe.srem(queue.workers, *gone)
             pipe.srem(layout.workers_key(), *gone)
             pipe.execute()
     return len(gone)

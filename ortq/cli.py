@@ -28,10 +28,6 @@ def _sharded_settings(redis_url: str | None, shards: str | None) -> Settings:
     return Settings.from_env(redis_url=redis_url, redis_shards=shards)
 
 
-def _connect(redis_url: str | None) -> redis.Redis:
-    return _connect_to(_settings(redis_url))
-
-
 def _connect_to(settings: Settings) -> redis.Redis:
     """A checked client; an unreachable Redis is BrokerUnavailable naming it (password left out)."""
     try:
@@ -307,6 +303,7 @@ def _info_data(settings: Settings) -> dict[str, Any]:
   ortq stop --model resnet                       # every resnet worker, on every host
   ortq stop --model resnet --host gpu-box-1      # those on one host (a Windows task's, say)
   ortq stop --worker resnet.gpu-box-1.4242 --wait 0
+  ortq stop --host gpu-box-1 --shards conv=redis://redis-big:6379/0   # on every Redis of the map
 """
 )
 @click.option("--model", default=None, help="Stop the workers of this model.")
@@ -316,24 +313,36 @@ def _info_data(settings: Settings) -> dict[str, Any]:
     "--wait", type=click.FloatRange(min=0), default=60.0, show_default=True, help="Seconds to wait for them (0: don't)."
 )
 @_REDIS_URL
-def stop(model: str | None, names: tuple[str, ...], host: str | None, wait: float, redis_url: str | None) -> None:
+@_SHARDS
+def stop(
+    model: str | None, names: tuple[str, ...], host: str | None, wait: float, redis_url: str | None, shards: str | None
+) -> None:
     """Ask workers to stop: each finishes its current job, unregisters and exits 0.
 
     Sent through Redis (RQ's shutdown command), so it reaches workers on any host, in containers and
-    in Windows scheduled tasks, where no signal or console may reach them. Exit status 1 when no
-    worker matched or some were still running after --wait.
+    in Windows scheduled tasks, where no signal or console may reach them. Under a shard map the
+    workers are looked for on their model's Redis (--model), else on every Redis of the map. Exit
+    status 1 when no worker matched or some were still running after --wait.
     """
     from ortq.control import live_workers, select_workers, stop_workers
 
     if model is None and not names and host is None:
         raise click.UsageError("say which workers: --model, --worker and/or --host")
-    connection = _connect(redis_url)
-    chosen = [r["name"] for r in select_workers(live_workers(connection), model, names, host)]
-    if not chosen:
+    settings = _sharded_settings(redis_url, shards)
+    urls = [settings.redis_url] if settings.shards is None else settings.shards.urls()
+    if model is not None and settings.shards is not None:
+        urls = [settings.shards.url_for(model)]
+    targets = []
+    for url in urls:
+        connection = _connect_to(settings.for_redis(url))
+        chosen = [r["name"] for r in select_workers(live_workers(connection), model, names, host)]
+        if chosen:
+            targets.append((connection, chosen))
+    if not targets:
         click.echo("no live worker matches", err=True)
         sys.exit(1)
-    still = stop_workers(connection, chosen, wait)
-    for name in chosen:
+    still = stop_workers(targets, wait)
+    for name in [name for _, chosen in targets for name in chosen]:
         click.echo(f"{name}: {'still running' if name in still else 'stopped' if wait else 'asked to stop'}")
     sys.exit(1 if still else 0)
 

@@ -60,17 +60,24 @@ def select_workers(
     ]
 
 
-def stop_workers(connection: redis.Redis, names: Sequence[str], wait: float) -> list[str]:
-    """Ask each named worker to stop; wait up to ``wait`` seconds for their records to go.
-    Returns the names still registered at the end (empty: all stopped, or not waited for)."""
-    for name in names:
-        send_shutdown_command(connection, name)
+def stop_workers(targets: Sequence[tuple[redis.Redis, Sequence[str]]], wait: float) -> list[str]:
+    """Ask each named worker to stop, on the Redis it is registered on (``targets``: a connection
+    and the names there; several under a shard map); wait up to ``wait`` seconds for their records
+    to go. Returns the names still registered at the end (empty: all stopped, or not waited for)."""
+    for connection, names in targets:
+        for name in names:
+            send_shutdown_command(connection, name)
     deadline = time.monotonic() + wait
-    pending = list(names)
-    while pending and wait > 0:
-        alive = connection.mget([keys.worker_key(n) for n in pending])
-        pending = [n for n, raw in zip(pending, alive, strict=True) if raw is not None]
+    pending = [(connection, list(names)) for connection, names in targets]
+    while wait > 0:
+        pending = [(connection, _registered(connection, names)) for connection, names in pending]
+        pending = [(connection, names) for connection, names in pending if names]
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    return pending if wait > 0 else []
+    return [name for _, names in pending for name in names] if wait > 0 else []
+
+
+def _registered(connection: redis.Redis, names: Sequence[str]) -> list[str]:
+    alive = connection.mget([keys.worker_key(n) for n in names])
+    return [n for n, raw in zip(names, alive, strict=True) if raw is not None]

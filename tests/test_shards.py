@@ -30,8 +30,8 @@ from ortq.pool.plan import build_slots, make_plan, worker_environment
 from ortq.producer import Producer
 from ortq.settings import Settings, redacted_url
 from ortq.shards import ShardMap
-from tests.conftest import REPO, WorkerProcesses
-from tests.test_pool import Pool, no_measure
+from tests.conftest import REPO, Pool, WorkerProcesses
+from tests.test_pool import no_measure
 
 PASSWORD = "s3cret-shard"
 #: The two models, one per Redis: a small one on the suite's Redis, a conv net (600 KB frames) on its own.
@@ -336,6 +336,37 @@ def pool_file(tmp_path: Path, tiny_path: Path, conv_path: Path, big_line: str = 
     """)
     )
     return path
+
+
+def test_stop_finds_workers_on_the_redis_the_map_gives(
+    redis_url: str, big_redis: str, tiny_path: Path, tmp_path: Path
+) -> None:
+    """``ortq stop`` under a map: --model looks on that model's Redis only; --worker (or --host) on
+    every Redis of the map; without the map a worker on the other Redis is not found."""
+    small, big = f"stop-small-{os.getpid()}", f"stop-big-{os.getpid()}"
+    shards = f"{big}={big_redis}"
+    group = WorkerProcesses(tmp_path)
+    try:
+        group.serve(tiny_path, small, redis_url)
+        group.serve(tiny_path, big, big_redis, 2)
+        with Producer(settings=Settings.from_url(redis_url, redis_shards=shards)) as producer:
+            [small_worker] = [r["name"] for r in producer.workers(small)]
+            big_a, big_b = sorted(r["name"] for r in producer.workers(big))
+            unmapped = ortq("stop", "--worker", big_a, "--redis-url", redis_url, "--wait", "0")
+            assert unmapped.returncode == 1 and "no live worker matches" in unmapped.stderr
+            by_model = ortq("stop", "--model", big, "--worker", big_a, "--redis-url", redis_url, "--shards", shards)
+            assert by_model.returncode == 0, by_model.stderr
+            assert by_model.stdout.splitlines() == [f"{big_a}: stopped"]
+            both = ortq("stop", "--worker", small_worker, "--worker", big_b, "--redis-url", redis_url,
+                        env={"ORTQ_REDIS_SHARDS": shards})  # fmt: skip
+            assert both.returncode == 0, both.stderr
+            assert sorted(both.stdout.splitlines()) == sorted([f"{small_worker}: stopped", f"{big_b}: stopped"])
+            assert PASSWORD not in both.stdout + both.stderr
+            assert producer.workers(small) == [] and producer.workers(big) == []
+        for process, _ in group.processes:
+            assert process.wait(30) == 0, group.logs()
+    finally:
+        group.stop_all()
 
 
 def test_each_pool_worker_gets_its_models_redis(tmp_path: Path, tiny_path: Path, conv_path: Path) -> None:

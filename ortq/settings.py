@@ -324,17 +324,31 @@ def _ping(client: redis.Redis, where: str) -> None:
         ) from exc
 
 
+def redis_message(exc: BaseException) -> str:
+    """What Redis said in ``exc``, without redis-py's note of which pipelined command it answered
+    (``Command # 2 (SET ortq:req:... <the frame's bytes>) of pipeline caused error: ...``): that
+    quotes the command's arguments, a request frame's binary bytes and newlines included."""
+    text = str(exc)
+    if text.startswith("Command # ") and _PIPELINE_NOTE in text:
+        return text.rpartition(_PIPELINE_NOTE)[2]
+    return text
+
+
+_PIPELINE_NOTE = ") of pipeline caused error: "
+
+
 def describe_redis_error(exc: redis.RedisError) -> tuple[str, int]:
     """A one-line message and the ``ortq`` exit status for a redis-py error that no ortq layer turned
     into an OrtqError (a client made without the PING check, a refusal in the middle of a command)."""
+    message = redis_message(exc)
     if isinstance(exc, redis.AuthenticationError):
-        return f"Redis refused the login: {exc} (check the user and password in the URL)", EXIT_CONFIGURATION
+        return f"Redis refused the login: {message} (check the user and password in the URL)", EXIT_CONFIGURATION
     if isinstance(exc, REDIS_DOWN):
-        return f"Redis unavailable: {exc}", EXIT_UNAVAILABLE
+        return f"Redis unavailable: {message}", EXIT_UNAVAILABLE
     if isinstance(exc, redis.exceptions.NoPermissionError):
-        return f"the Redis user lacks a permission: {exc} (see docs/security.md)", EXIT_CONFIGURATION
+        return f"the Redis user lacks a permission: {message} (see docs/security.md)", EXIT_CONFIGURATION
     if isinstance(exc, redis.exceptions.ReadOnlyError):
-        return f"Redis refused a write: {exc} (a read-only replica? use the primary's URL)", EXIT_CONFIGURATION
+        return f"Redis refused a write: {message} (a read-only replica? use the primary's URL)", EXIT_CONFIGURATION
     if isinstance(exc, redis.exceptions.InvalidResponse):
-        return f"the server is not Redis (check the host and port of the URL): {exc}", EXIT_CONFIGURATION
-    return f"Redis error: {type(exc).__name__}: {exc}", EXIT_UNAVAILABLE
+        return f"the server is not Redis (check the host and port of the URL): {message}", EXIT_CONFIGURATION
+    return f"Redis error: {type(exc).__name__}: {message}", EXIT_UNAVAILABLE

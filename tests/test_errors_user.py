@@ -21,12 +21,14 @@ import redis
 
 from ortq.errors import ConfigurationError, ProviderUnavailable
 from ortq.localredis import find_redis_server, free_port
-from ortq.producer import Producer
-from ortq.settings import Settings, redacted_url
+from ortq.producer import Producer, faults
+from ortq.settings import Settings, redacted_url, redis_message
 from ortq.worker.session import SessionPlan, install_advice, load_model, platform_refusal
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses, eventually, worker_command
 from tests.test_cli import ortq
+
+pytestmark = pytest.mark.rqcompat  # also in the second pass: redis-py 5.0's errors, as users see them
 
 PASSWORD = "s3cret-pw"
 ON_LINUX = pytest.mark.skipif(platform.system() != "Linux", reason="what this OS is told is tested on Linux")
@@ -164,7 +166,7 @@ def _accepts(port: int) -> bool:
         ("redis://cache:63796379/0", "redis_url 'redis://cache:63796379/0': Port out of range"),
         ("redis://cache:port/0", "redis_url 'redis://cache:port/0': Port could not be cast"),
         ("redis://cache:6379/zero", "after HOST:PORT comes the database number (/0), not '/zero'"),
-        ("redis://cache:6379/0?db=one", "Invalid value for 'db'"),
+        ("redis://cache:6379/0?db=one", "Invalid value for "),  # redis-py's words: 'db' (8), `db` (5)
     ],
 )
 def test_urls_redis_py_would_misread_are_refused_and_echoed_as_written(url: str, message: str) -> None:
@@ -439,6 +441,24 @@ def test_a_refusal_after_the_ping_is_one_line(
         done = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", replica.url)
     assert done.returncode == 2, done.stderr
     assert "read only replica" in one_line_error(done.stderr)
+
+
+def test_a_pipelined_refusal_does_not_quote_the_commands_bytes(connection: redis.Redis, model_name: str) -> None:
+    """redis-py names the pipelined command Redis refused, with its arguments: for an enqueue, a
+    request frame's bytes (newlines included, which would split the one-line error). ortq's message
+    keeps what Redis said and leaves the command out."""
+    frame = b"\x00\x01 frame\nbytes \xff" * 8
+    connection.set(f"{model_name}-string", "x")
+    with pytest.raises(redis.ResponseError) as caught, connection.pipeline(transaction=True) as pipe:
+        pipe.set(f"{model_name}-frame", frame)
+        pipe.rpush(f"{model_name}-string", frame)  # a push onto a string: WRONGTYPE, quoting the frame
+        pipe.execute()
+    assert "of pipeline caused error" in str(caught.value) and "frame" in str(caught.value)
+    error = faults.failure(caught.value, "could not enqueue 1 job(s)")
+    assert str(error).startswith("could not enqueue 1 job(s): Redis error: ResponseError: WRONGTYPE"), error
+    assert "frame" not in str(error) and "\n" not in str(error) and "Command #" not in str(error)
+    assert redis_message(redis.ResponseError("ERR plain")) == "ERR plain"
+    connection.delete(f"{model_name}-string", f"{model_name}-frame")
 
 
 def test_the_exit_statuses_are_documented_where_users_look() -> None:

@@ -16,7 +16,7 @@ from ortq.errors import (
     OrtqError,
     ResultTimeout,
 )
-from ortq.settings import REDIS_DOWN, Settings, describe_redis_error
+from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redis_message
 
 
 def is_down(exc: BaseException) -> bool:
@@ -43,9 +43,9 @@ def failure(exc: redis.RedisError, doing: str, wrong_type: str | None = None) ->
     a key holds what ortq did not write, ConfigurationError for a refusal that only the settings or
     the ACL can fix (login, permission, read-only replica, a server that is not Redis)."""
     if is_down(exc):
-        return BrokerUnavailable(f"{doing}: Redis unavailable ({exc})")
+        return BrokerUnavailable(f"{doing}: Redis unavailable ({redis_message(exc)})")
     if wrong_type is not None and is_wrong_type(exc):
-        return CorruptRecord(f"{wrong_type}: {exc}")
+        return CorruptRecord(f"{wrong_type}: {redis_message(exc)}")
     message, status = describe_redis_error(exc)
     if status == EXIT_CONFIGURATION:
         return ConfigurationError(f"{doing}: {message}")

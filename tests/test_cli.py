@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ortq.producer import Producer
 from tests.conftest import REPO, WorkerProcesses
+
+pytestmark = pytest.mark.rqcompat  # also in the second pass: the oldest click allowed
 
 
 def ortq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,8 @@ from ortq.metrics import (
     open_metrics_port,
 )
 
+pytestmark = pytest.mark.rqcompat  # also in the second pass: the oldest prometheus-client allowed
+
 LABELS = {"model": "digits", "adapter": "NVIDIA H200", "provider": "CUDAExecutionProvider", "worker": "w1"}
 
 

@@ -17,6 +17,8 @@ from ortq.producer import Producer
 from tests import onnx_models
 from tests.conftest import WorkerProcesses, eventually
 
+pytestmark = pytest.mark.rqcompat  # also in the second pass: the oldest prometheus-client allowed
+
 
 def _get(url: str) -> tuple[int, str]:
     try:

@@ -6,6 +6,7 @@ their workers. Quicker than a worker process, and each stage can be looked at on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
@@ -34,7 +35,8 @@ from ortq.errors import (
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.rqcompat import layout
-from ortq.rqcompat.book import JOB_FIELDS, Book, Finished, Skipped, StartedJob
+from ortq.rqcompat.acl import refused_command
+from ortq.rqcompat.book import JOB_FIELDS, Book, Finished, Skipped, StartedJob, script_source
 from ortq.rqcompat.layout import utcnow
 from ortq.rqjob import JobRecord
 from ortq.settings import Settings
@@ -473,6 +475,21 @@ def test_a_worker_without_rq_records_answers_with_outputs_equal_to_a_direct_run(
     assert all(connection.hget(keys.job_key(h.id), "status") == b"finished" for h in handles)
 
 
+def test_the_refused_command_is_read_from_each_wording() -> None:
+    """Redis 7.2+'s NOPERM names the command; on 7.0 common.lua's unless_acl tags a redis.pcall's
+    refusal, and a redis.call's names the script and line, where the call is (the test above
+    runs the 7.0 wordings for real)."""
+    assert refused_command("NOPERM User w has no permissions to run the 'zmscore' command") == "ZMSCORE"
+    assert refused_command("ERR The user ... can't run this command or subcommand (STRLEN)") == "STRLEN"
+    start = script_source("start")
+    sha = hashlib.sha1(start.encode()).hexdigest()
+    line = next(n for n, text in enumerate(start.splitlines(), 1) if "redis.call('PERSIST', job)" in text)
+    refusal = "ERR The user executing the script can't run this command or subcommand script: {}, on @user_script:{}."
+    assert refused_command(refusal.format(sha, line)) == "PERSIST"
+    assert refused_command(refusal.format("0" * 40, line)) is None  # not one of ortq's scripts
+    assert refused_command("ERR something else") is None
+
+
 @pytest.mark.parametrize("command", ["zmscore", "strlen", "rename"])
 def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
     tiny_path: Path,
@@ -505,6 +522,9 @@ def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
             running.thread.join(30)
         assert running.status == EXIT_CONFIGURATION
         assert "give it the worker rule of docs/security.md" in caplog.text
+        # Named whether Redis names it (7.2+), the script tags it (a redis.pcall on 7.0) or only
+        # the script's line says it (a redis.call on 7.0: RENAME).
+        assert f"its ACL lacks the command {command.upper()};" in caplog.text, caplog.text
         if command == "rename":
             assert connection.exists(keys.request_key(job.id)) and not connection.exists(keys.reply_key(job.id))
             assert connection.hget(keys.job_key(job.id), "status") == b"started"  # to be taken back

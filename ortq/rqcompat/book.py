@@ -69,6 +69,10 @@ def script_source(name: str) -> str:
     return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
 
 
+#: The names of ortq's scripts (lua/<name>.lua), each loaded with common.lua before it.
+SCRIPTS = ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain")
+
+
 def exc_string(text: str) -> str:
     """An error text as RQ's result stream stores it (base64 of zlib)."""
     return b64encode(zlib.compress(text.encode())).decode()
@@ -179,10 +183,7 @@ class Book:
         self.tag = execution_tag(worker_name)
         records = ("3" if layout.RQ3 else "2") + ("e" if executions else "")
         self._common: list[str | int] = [layout.PREFIX, records, keys.PREFIX, layout.DEFAULT_WORKER_TTL + 60]
-        self._scripts = {
-            name: connection.register_script(script_source(name))
-            for name in ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain")
-        }
+        self._scripts = {name: connection.register_script(script_source(name)) for name in SCRIPTS}
 
     def _call(self, name: str, args: Iterable[Any], client: Any = None) -> Any:
         return self._scripts[name](keys=[], args=[*self._common, *args], client=client)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ortq.errors import ConfigurationError
 from ortq.metrics import WorkerMetrics
 from ortq.producer.faults import is_refused
+from ortq.rqcompat.acl import refused_command
 from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings
 from ortq.worker import jobs
@@ -136,9 +137,11 @@ def acl_refusal(exc: Exception) -> ConfigurationError | None:
     answer would only fail them as WorkerLost later."""
     if not is_refused(exc):
         return None
+    command = refused_command(str(exc))
+    which = f"the command {command}" if command else "a command ortq's scripts run"
     return ConfigurationError(
-        f"Redis refused a command to this worker's user ({exc}): its ACL lacks a command ortq's scripts "
-        "run; give it the worker rule of docs/security.md ('The worker')"
+        f"Redis refused a command to this worker's user ({exc}): its ACL lacks {which}; give it the "
+        "worker rule of docs/security.md ('The worker')"
     )
 
 

@@ -87,11 +87,14 @@ end
 -- an error there (WRONGTYPE, an XADD id below a forged entry's) is handed back for the caller to
 -- treat as no record of ours; only the ACL refusing the command is raised (the worker's
 -- configuration, not the record: the worker must say so rather than take it for a forged key).
--- Redis 7.0 words that refusal "can't run this command", later versions start it with NOPERM.
-local function unless_acl(reply)
-  if type(reply) == 'table' and reply.err and (string.find(reply.err, 'NOPERM', 1, true)
-      or string.find(reply.err, "can't run this command", 1, true)) then
-    error(reply)
+-- Redis 7.0 words that refusal "can't run this command", later versions start it with NOPERM and
+-- name the command; for 7.0 the refused `command` is named here (ortq.rqcompat.book.refused_command).
+local function unless_acl(reply, command)
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'NOPERM', 1, true) then error(reply) end
+    if string.find(reply.err, "can't run this command", 1, true) then
+      error({err = reply.err .. ' (' .. command .. ')'})
+    end
   end
   return reply
 end
@@ -100,7 +103,7 @@ end
 -- Redis refuses it (not the ACL: see unless_acl), the key is replaced and the write made again
 -- (cheaper than a TYPE each time).
 local function write(...)
-  local reply = unless_acl(redis.pcall(...))
+  local reply = unless_acl(redis.pcall(...), (...))
   if type(reply) == 'table' and reply.err then
     redis.call('DEL', select(2, ...))
     reply = redis.call(...)
@@ -111,7 +114,7 @@ end
 -- Removals from a key that may hold another type: nothing to remove there, so an error is nothing
 -- (but the ACL's: see unless_acl).
 local function remove(...)
-  unless_acl(redis.pcall(...))
+  unless_acl(redis.pcall(...), (...))
 end
 
 -- RQ's execution records of one run end: the execution hash, its entry in the job's executions,
@@ -127,7 +130,7 @@ end
 -- Is this execution still the job's? A job whose started entry is gone was taken back (its worker
 -- was thought dead) and belongs to its next execution: fencing for every answer.
 local function owns(queue, id, execution)
-  local score = unless_acl(redis.pcall('ZSCORE', wip_key(queue), id .. ':' .. execution))
+  local score = unless_acl(redis.pcall('ZSCORE', wip_key(queue), id .. ':' .. execution), 'ZSCORE')
   return score ~= false and type(score) ~= 'table'
 end
 

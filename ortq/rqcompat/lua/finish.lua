@@ -19,7 +19,7 @@ for j = 1, n do composites[j] = jobs[j][1] .. ':' .. jobs[j][2] end
 -- Fencing: a job whose started entry is gone was taken back (its worker was thought dead) and
 -- belongs to its next execution. A started registry of another type owns nothing.
 local scores = {}
-if n > 0 then scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', wip_key(queue)}, composites)) end
+if n > 0 then scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', wip_key(queue)}, composites), 'ZMSCORE') end
 local function stage_key(j) return ORTQ .. 'stage:' .. composites[j] end
 local live, gone = {}, {}
 if type(scores) == 'table' and not scores.err then

@@ -107,7 +107,7 @@ local function start(id, execution)
   redis.call('HSET', job, 'last_heartbeat', now_iso, 'status', 'started', 'started_at', now_iso, 'worker_name', worker)
   redis.call('PERSIST', job)
   local request = ORTQ .. 'req:' .. id
-  local size = unless_acl(redis.pcall('STRLEN', request))
+  local size = unless_acl(redis.pcall('STRLEN', request), 'STRLEN')
   if type(size) == 'table' then size = -2 elseif size == 0 and redis.call('EXISTS', request) == 0 then size = -1 end
   -- A small frame comes back here, saving a round trip; ARGV[12]'s (first) is read beside this call,
   -- and large ones by GETRANGE (a script's reply copies every byte).

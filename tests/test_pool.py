@@ -179,6 +179,15 @@ def test_the_command_line_refuses_a_bad_config_with_one_line(tmp_path: Path, mod
 def test_the_example_config_parses(tmp_path: Path) -> None:
     example = PoolConfig.from_file(REPO / "deploy" / "pool.example.toml")
     assert example.worker_count >= 3 and {m.provider for m in example.models} >= {"cpu", "cuda"}
+    # Its commented WebGPU and plugin models parse once uncommented.
+    text = (REPO / "deploy" / "pool.example.toml").read_text()
+    head, others = text.split(" other providers\n")
+    tables = [line[2:] for line in others.splitlines() if re.match(r"# (\[\[|\w+ = )", line)]
+    (tmp_path / "pool.toml").write_text(head + "\n" + "\n".join(tables) + "\n")
+    uncommented = PoolConfig.from_file(tmp_path / "pool.toml")
+    providers = {m.provider: m.groups[0].adapter for m in uncommented.models[-2:]}
+    assert providers == {"webgpu": "high-performance", "plugin": "npu"}
+    assert uncommented.models[-1].ep_library == Path("/opt/my-ep/libmy_ep.so")
 
 
 # ------------------------------------------------------------------------------------ 2. planning

@@ -118,10 +118,10 @@ def check(
             nonce = request.nonce
             if learned is not None and nonce is not None:
                 found = learned, nonce
+        verdict: HeaderVerdict | None
         if found is None:
             inputs = request.inputs
-            signature.check_inputs(inputs)
-            rows, key = rows_of(inputs) if batching else 1, batch_key(inputs)
+            verdict = header_verdict(inputs, signature, batching)
         else:
             known, nonce = found
             # The header declares the names, dtypes and shapes that the checks look at: one frame's
@@ -131,9 +131,9 @@ def check(
                 verdict = header_verdict(known.inputs(frame), signature, batching)
                 if headers is not None:
                     headers[known] = verdict
-            if isinstance(verdict, Exception):
-                return failure(started, job, verdict, timings, nonce, settings)
-            rows, key = verdict
+        if isinstance(verdict, Exception):
+            return failure(started, job, verdict, timings, nonce, settings)
+        rows, key = verdict
         timings["decode"] = time.perf_counter() - t0
     except Exception as exc:
         return failure(started, job, exc, timings, nonce, settings)

@@ -88,7 +88,7 @@ end
 -- treat as no record of ours; only the ACL refusing the command is raised (the worker's
 -- configuration, not the record: the worker must say so rather than take it for a forged key).
 -- Redis 7.0 words that refusal "can't run this command", later versions start it with NOPERM and
--- name the command; for 7.0 the refused `command` is named here (ortq.rqcompat.book.refused_command).
+-- name the command; for 7.0 the refused `command` is named here (ortq.rqcompat.acl.refused_command).
 local function unless_acl(reply, command)
   if type(reply) == 'table' and reply.err then
     if string.find(reply.err, 'NOPERM', 1, true) then error(reply) end

@@ -4,10 +4,10 @@ A timeout like RQ's (a signal or a timer raising in Python) cannot interrupt nat
 past its job's timeout is stopped by ONNX Runtime itself: ``RunOptions.terminate`` set from another
 thread. ``threading.Timer`` would start an OS thread for every run, ~165 µs a run on the CI VM
 (thread start-up, its start handshake, its wake-up at ``cancel``; bench/run_timeout.py), which a
-worker running one-job batches of small models would pay per job. Here one daemon thread, started at the first timed run,
-sleeps toward the armed run's deadline; arming a run costs two lock round trips, and wakes the
-watcher only when the new deadline is earlier than the one it sleeps toward (back-to-back runs
-with one timeout move the deadline later: no wake-up at all).
+worker running one-job batches of small models would pay per job. Here one daemon thread, started
+at the first timed run, sleeps toward the armed run's deadline; arming a run costs two lock round
+trips, and wakes the watcher only when the new deadline is earlier than the one it sleeps toward
+(back-to-back runs with one timeout move the deadline later: no wake-up at all).
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ from ortq.wiretypes import PREFIX, WIRE_DTYPES, Request
 
 NONCE_TAIL = 16
 MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
+#: A tensor of at least this many bytes a frame is joined by np.concatenate, which copies without
+#: the GIL, rather than by bytes.join, which holds it: joining a batch of 600 KB images held the
+#: GIL for ~150 us a job, during which the feeder could not read the next batch's frames
+#: (bench/gpu/throughput.py conv on the H200, docs/performance.md "Ninth pass").
+GIL_FREE_COPY = 64 * 1024
 KNOWN: dict[bytes, KnownHeader] = {}
 
 
@@ -46,13 +51,18 @@ class KnownHeader:
     def joined(self, frames: Sequence[bytes | bytearray]) -> dict[str, np.ndarray]:
         """The tensors of ``frames`` (each found with this header, whose tensors all have a first
         dimension) joined along it, as np.concatenate of their ``inputs`` would: one copy of the
-        bytes and no array per frame."""
+        bytes, and no array per frame for tensors under GIL_FREE_COPY bytes."""
         joined = {}
         for name, dtype, count, offset, shape in self.tensors:
             start = self.data_start + offset
             end = start + count * dtype.itemsize
-            data = b"".join([memoryview(frame)[start:end] for frame in frames])
-            joined[name] = np.frombuffer(data, dtype=dtype).reshape((len(frames) * shape[0], *shape[1:]))
+            shape_joined = (len(frames) * shape[0], *shape[1:])
+            if end - start < GIL_FREE_COPY:
+                data = b"".join([memoryview(frame)[start:end] for frame in frames])
+                joined[name] = np.frombuffer(data, dtype=dtype).reshape(shape_joined)
+            else:
+                views = [np.frombuffer(frame, dtype=dtype, count=count, offset=start) for frame in frames]
+                joined[name] = np.concatenate(views).reshape(shape_joined)
         return joined
 
 

@@ -184,19 +184,24 @@ def test_a_job_hash_like_a_remembered_one_except_for_its_function_is_refused() -
     assert len(rqjob._SETTLED) <= 64
 
 
-def test_frames_of_a_remembered_header_join_as_their_decoded_inputs_would() -> None:
+@pytest.mark.parametrize("side", [2, 96], ids=["small", "over-GIL_FREE_COPY"])
+def test_frames_of_a_remembered_header_join_as_their_decoded_inputs_would(side: int) -> None:
     """KnownHeader.joined (a batch's inputs, straight from its frames) equals np.concatenate of
-    each frame's decoded inputs, tensor by tensor, for bytes and bytearray frames alike."""
+    each frame's decoded inputs, tensor by tensor, for bytes and bytearray frames alike; with
+    tensors under GIL_FREE_COPY bytes a frame (joined as bytes) and over it (by numpy)."""
     rng = np.random.default_rng(7)
 
     def inputs() -> dict[str, Any]:
-        return {"a": rng.standard_normal((2, 3, 2)).astype(np.float32), "ids": rng.integers(0, 9, (2,), np.int64)}
+        a = rng.standard_normal((2, 3, side, side)).astype(np.float32)
+        return {"a": a, "ids": rng.integers(0, 9, (2,), np.int64)}
+
+    assert (2 * 3 * side * side * 4 >= knownheaders.GIL_FREE_COPY) == (side > 2)
 
     frames: list[bytes | bytearray] = [producer_frame(inputs=inputs()) for _ in range(4)]
     frames[2] = bytearray(frames[2])
     knownheaders.KNOWN.clear()
     decoded = [wire.decode_request(frame).inputs for frame in frames]
-    found = [knownheaders.known_frame(frame, 4096) for frame in frames[1:]]
+    found = [knownheaders.known_frame(frame, 1 << 20) for frame in frames[1:]]
     assert all(f is not None and f[0] is found[0][0] for f in found)  # type: ignore[index]
     joined = found[0][0].joined(frames)  # type: ignore[index]
     assert list(joined) == ["a", "ids"]

@@ -14,9 +14,10 @@ in one run:
    as the workers', and push a reply of the response's size for each; no decode, no run (jobs/s);
 3. **ortq**: 1, 2, 4 real ``ortq worker`` processes with ``--max-batch``: the queue is filled while
    the workers are suspended (``rq suspend``), then drained; jobs/s and rows/s, the workers' CPU per
-   job (utime+stime from /proc) and Redis's (INFO cpu; of which its scripts' time, INFO commandstats),
-   so a miss says which side the time went to; and the mean of the sampled answers' ``run``
-   timing (their group's run as the worker timed it) beside direct's time a run.
+   job (utime+stime from /proc; the main thread's apart) and Redis's (INFO cpu; of which its
+   scripts' time, INFO commandstats), so a miss says which side the time went to; and the median
+   of the sampled answers' ``run`` timing (their group's run as the worker timed it; mean and max
+   in the JSON) beside direct's time a run.
    ``--metrics``: each worker serves Prometheus metrics (``--metrics-port 0``), as deployed
    workers do (deploy/), so that their per-job cost is in the figures. ``--job-timeout S``: every
    job carries RQ's timeout, which the workers enforce on each run (ortq.worker.deadline).
@@ -103,8 +104,11 @@ def direct(work: Workload, model: Path, provider: str, seconds: float = 2.0) -> 
     return runs * work.max_batch / elapsed
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """A process's CPU time so far (utime+stime); ``main_thread``: its main thread's alone (the one
+    that calls ``Run``, whose spin while a CUDA run completes counts as CPU)."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
@@ -253,6 +257,7 @@ def ortq_drain(
             jobs = producer.submit_many(work.name, many, job_timeout=work.job_timeout)
             finished = layout.QueueKeys.of(keys.queue_name(work.name)).finished
             cpu_before = [cpu_seconds(w.pid) for w in workers]
+            main_before = [cpu_seconds(w.pid, main_thread=True) for w in workers]
             redis_before, scripts_before = redis_cpu(connection), scripts_usec(connection)
             connection.delete(layout.suspended_key())
             base = connection.zcard(finished)  # earlier drains' jobs
@@ -260,6 +265,7 @@ def ortq_drain(
                 connection, keys.queue_key(work.name), work.jobs, lambda: connection.zcard(finished) - base
             )
             worker_cpu = sum(cpu_seconds(w.pid) for w in workers) - sum(cpu_before)
+            main_cpu = sum(cpu_seconds(w.pid, main_thread=True) for w in workers) - sum(main_before)
             redis_spent = redis_cpu(connection) - redis_before
             scripts_spent = scripts_usec(connection) - scripts_before
             session = session_for(model, "cpu")
@@ -284,11 +290,16 @@ def ortq_drain(
         "jobs_per_s": work.jobs / seconds,
         "rows_per_s": work.jobs * work.rows_per_job / seconds,
         "worker_cpu_us_per_job": 1e6 * worker_cpu / work.jobs,
+        "main_thread_cpu_us_per_job": 1e6 * main_cpu / work.jobs,
         "redis_cpu_us_per_job": 1e6 * redis_spent / work.jobs,
         "redis_scripts_us_per_job": scripts_spent / work.jobs,
         "max_abs_diff_vs_cpu": worst,
         "outputs_close": close,
         "run_us_mean": 1e6 * sum(runs) / max(1, len(runs)),
+        # The median besides the mean: a drain's first run of a shape can take milliseconds (the
+        # provider choosing its kernels), enough to move the mean of ~200 samples by 100 us.
+        "run_us_median": 1e6 * float(np.median(runs)) if runs else 0.0,
+        "run_us_max": 1e6 * max(runs, default=0.0),
     }
 
 
@@ -348,7 +359,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'workload':10} {'w':>2} {'rq res/exe':>10} {'jobs/s':>9} {'rows/s':>10} {'direct rows/s':>13}",
         f"{'x direct':>8} {'floor jobs/s':>12} {'x floor':>7} {'worker us/job':>13} {'redis us/job':>12}",
-        f"{'in scripts':>10} {'run us (direct)':>15}",
+        f"{'in scripts':>10} {'main us/job':>11} {'run p50 (direct)':>16}",
     )
     for row in rows:
         for run in row["runs"]:
@@ -357,8 +368,8 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{run['jobs_per_s']:>9.0f} {run['rows_per_s']:>10.0f} "
                 f"{row['direct_rows_per_s']:>13.0f} {run['vs_direct_rows']:>8.2f} {run['floor']['jobs_per_s']:>12.0f} "
                 f"{run['vs_floor']:>7.2f} {run['worker_cpu_us_per_job']:>13.1f} {run['redis_cpu_us_per_job']:>12.1f} "
-                f"{run['redis_scripts_us_per_job']:>10.1f} "
-                f"{run.get('run_us_mean', 0):>7.0f} ({row.get('direct_us_per_run', 0):>5.0f})"
+                f"{run['redis_scripts_us_per_job']:>10.1f} {run.get('main_thread_cpu_us_per_job', 0):>11.1f} "
+                f"{run.get('run_us_median', 0):>8.0f} ({row.get('direct_us_per_run', 0):>5.0f})"
             )
 
 

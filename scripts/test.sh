@@ -2,8 +2,9 @@
 # ortq's checks from a fresh checkout, in two passes:
 #   1. in .venv (the RQ that ortq's dependency range resolves to, the newest series): lint, types,
 #      then the whole test suite (real Redis, real workers);
-#   2. in .venv-rq2 (the oldest releases pyproject allows of RQ, redis-py, numpy, msgpack, click and
-#      prometheus-client; onnxruntime stays at the dev extra's): the tests marked `rqcompat`, i.e.
+#   2. in .venv-rq2 (the oldest releases pyproject allows of RQ, redis-py, numpy, msgpack, click,
+#      prometheus-client and, for the worker, onnxruntime; the `test` extra, without `dev`'s newer
+#      onnxruntime and WebGPU EP): the tests marked `rqcompat`, i.e.
 #      the RQ contract tests (tests/rqcontract), an end-to-end subset, raw Redis clients and the
 #      error messages redis-py's words go into.
 # Extra arguments go to pytest in both passes, e.g. `bash scripts/test.sh -k wire` (a pass that
@@ -39,9 +40,9 @@ if [ "$test_pass" != rq2 ]; then
 fi
 
 if [ "$test_pass" != main ]; then
-    ortq_venv "worker,dev" .venv-rq2 "rq==2.12.*" "redis[hiredis]==5.0.*" "numpy==1.26.*" "msgpack==1.0.7" \
-        "click==8.1.*" "prometheus-client==0.20.*"
-    echo "== pass 2: tests marked rqcompat, RQ $(rq_version .venv-rq2), redis-py $(.venv-rq2/bin/python -c 'import redis; print(redis.__version__)'), in .venv-rq2"
+    ortq_venv "worker,test" .venv-rq2 "rq==2.12.*" "redis[hiredis]==5.0.*" "numpy==1.26.*" "msgpack==1.0.7" \
+        "click==8.1.*" "prometheus-client==0.20.*" "onnxruntime==1.20.*"
+    echo "== pass 2: tests marked rqcompat, RQ $(rq_version .venv-rq2), redis-py $(.venv-rq2/bin/python -c 'import redis; print(redis.__version__)'), onnxruntime $(.venv-rq2/bin/python -c 'import onnxruntime; print(onnxruntime.__version__)'), in .venv-rq2"
     if [ -x .venv/bin/python ] && [ "$(rq_version .venv | cut -d. -f1)" = "$(rq_version .venv-rq2 | cut -d. -f1)" ]; then
         echo "warning: .venv has RQ $(rq_version .venv) too: only one RQ series is being tested" >&2
     fi

@@ -23,6 +23,9 @@ from ortq.worker.session import SessionPlan, load_model
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses, eventually
 
+#: A worker's start on the oldest onnxruntime `worker` allows too (scripts/test.sh's second pass).
+pytestmark = pytest.mark.rqcompat
+
 
 def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

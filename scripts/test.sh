@@ -5,8 +5,8 @@
 #   2. in .venv-rq2 (the oldest releases pyproject allows of RQ, redis-py, numpy, msgpack, click,
 #      prometheus-client and, for the worker, onnxruntime; the `test` extra, without `dev`'s newer
 #      onnxruntime and WebGPU EP): the tests marked `rqcompat`, i.e.
-#      the RQ contract tests (tests/rqcontract), an end-to-end subset, raw Redis clients and the
-#      error messages redis-py's words go into.
+#      the RQ contract tests (tests/rqcontract), an end-to-end subset, raw Redis clients, the
+#      error messages redis-py's words go into, and the providers, adapters and worker starts.
 # Extra arguments go to pytest in both passes, e.g. `bash scripts/test.sh -k wire` (a pass that
 # then selects no test at all is not a failure). ORTQ_TEST_PASS=main runs only pass 1,
 # ORTQ_TEST_PASS=rq2 only pass 2. The script exits non-zero if either pass failed.

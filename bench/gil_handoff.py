@@ -18,12 +18,12 @@ import argparse
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-DIGITS = Path(__file__).resolve().parent.parent / "ortq" / "demo" / "digits.onnx"
+from ortq.demo import MODEL_PATH
+
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 INTERVALS = (0.005, 0.001, 0.0005, 0.0002, 0.0001)
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1  # as `ortq worker --threads 1`: the run's own threads do not blur it
-    session = ort.InferenceSession(str(DIGITS), options, providers=[PROVIDERS[args.provider]])
+    session = ort.InferenceSession(str(MODEL_PATH), options, providers=[PROVIDERS[args.provider]])
     name = session.get_inputs()[0].name
     feed = {name: np.random.default_rng(0).standard_normal((args.rows, 64)).astype(np.float32)}
     time_runs(session, feed, 100)  # warm-up

@@ -12,17 +12,15 @@ interpreter, argument and reply conversion).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ortq.demo import MODEL_PATH
 from ortq.localredis import STREAM_NODE_MAX_BYTES, LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
 from ortq.worker.serve import WorkerConfig, build_worker
-
-DIGITS = Path(__file__).resolve().parent.parent / "ortq" / "demo" / "digits.onnx"
 
 
 def main() -> None:
@@ -63,7 +61,7 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
         connection = settings.connect()
         connection.config_resetstat()
         cpu_before = _cpu_seconds(connection)
-        config = WorkerConfig(DIGITS, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
+        config = WorkerConfig(MODEL_PATH, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
         build_worker(config, settings).serve(handle_signals=False)
         stats = connection.info("commandstats")
         cpu = _cpu_seconds(connection) - cpu_before

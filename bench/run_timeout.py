@@ -11,14 +11,12 @@ import argparse
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from ortq.demo import MODEL_PATH
 from ortq.worker.deadline import RunDeadline
-
-DIGITS = Path(__file__).resolve().parent.parent / "ortq" / "demo" / "digits.onnx"
 
 
 def main() -> None:
@@ -27,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(DIGITS), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(MODEL_PATH), options, providers=["CPUExecutionProvider"])
     inputs = {"pixels": np.zeros((1, 64), np.float32)}
     deadline = RunDeadline()
 

@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortq import keys
+from ortq.demo import MODEL_PATH
 from ortq.localredis import LocalRedis
 from ortq.metrics import WorkerMetrics
 from ortq.producer import Producer
@@ -34,8 +35,6 @@ from ortq.worker import jobs
 from ortq.worker.batch import group, split
 from ortq.worker.intake import Intake
 from ortq.worker.session import signature_of
-
-DIGITS = "ortq/demo/digits.onnx"
 
 
 def timed(label: str, work: Callable[[], object], jobs_in_batch: int, repeat: int = 2000) -> None:
@@ -52,7 +51,7 @@ def main() -> None:
     with LocalRedis() as server:
         settings = dataclasses.replace(Settings.from_url(server.url), rq_results=False, rq_executions=False)
         connection = settings.connect()
-        session = ort.InferenceSession(DIGITS, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(MODEL_PATH), providers=["CPUExecutionProvider"])
         signature, names = signature_of(session), [o.name for o in session.get_outputs()]
         rng = np.random.default_rng(0)
         inputs = [{"pixels": rng.standard_normal((args.rows, 64)).astype(np.float32)} for _ in range(8)]

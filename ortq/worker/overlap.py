@@ -27,7 +27,7 @@ from ortq.metrics import WorkerMetrics
 from ortq.producer.faults import is_refused
 from ortq.rqcompat.acl import refused_command
 from ortq.rqcompat.book import Book, Finished, StartedJob
-from ortq.settings import REDIS_DOWN, Settings
+from ortq.settings import REDIS_DOWN, Settings, redis_message
 from ortq.worker import jobs
 from ortq.worker.intake import Intake, Taken
 from ortq.worker.presence import Presence
@@ -137,10 +137,11 @@ def acl_refusal(exc: Exception) -> ConfigurationError | None:
     answer would only fail them as WorkerLost later."""
     if not is_refused(exc):
         return None
-    command = refused_command(str(exc))
+    said = redis_message(exc)
+    command = refused_command(said)
     which = f"the command {command}" if command else "a command ortq's scripts run"
     return ConfigurationError(
-        f"Redis refused a command to this worker's user ({exc}): its ACL lacks {which}; give it the "
+        f"Redis refused a command to this worker's user ({said}): its ACL lacks {which}; give it the "
         "worker rule of docs/security.md ('The worker')"
     )
 

@@ -61,7 +61,8 @@ class Serving:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.status: int | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        # Named as ortq's own threads are: tests/fault_injection.py tells the worker's calls by it.
+        self.thread = threading.Thread(target=self._serve, name="ortq-main", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:

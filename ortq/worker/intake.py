@@ -62,11 +62,15 @@ class Intake:
         max_wait: float,
         on_started: Callable[[list[StartedJob]], None] = lambda started: None,
         starting: AbstractContextManager[object] | None = None,
+        on_released: Callable[[list[StartedJob]], None] = lambda released: None,
     ) -> None:
         """``on_started`` is called with the jobs of each start script, inside ``starting`` (held
-        from sending the script until then)."""
+        from sending the script until then): from then on the worker holds them
+        (ortq.worker.ownership), and a take either returns them or, when a later call of the same
+        take fails, passes them to ``on_released`` before it raises."""
         self.connection = connection
         self.on_started = on_started
+        self.on_released = on_released
         self.starting = starting if starting is not None else nullcontext()
         self.book = book
         self.settings = settings
@@ -111,7 +115,8 @@ class Intake:
         return self._filled(self._start(raw, self.max_batch - 1))
 
     def _filled(self, taken: list[Taken]) -> list[Taken]:
-        """``taken`` and the jobs that arrive within ``max_wait`` after it."""
+        """``taken`` and the jobs that arrive within ``max_wait`` after it. Never raises: the jobs
+        in hand are held, and go to the main thread whatever the calls for more came to."""
         waited = time.perf_counter()
         taken += self._wait_for_more(len(taken))
         self.batch_wait = time.perf_counter() - waited
@@ -134,18 +139,23 @@ class Intake:
             started, skipped = self.book.parse_start(reply, moment)
             self.backlog = self.book.backlog(reply) > 0
             self.on_started(started)
-        for entry in skipped:
+        try:  # held from here: returned below, or released if a read fails
+            frames: dict[str, object] = {}
+            if first and started and started[0].job_id == first_text:
+                frames[first_text] = first_frame[0]
+            frames.update((job.job_id, job.frame) for job in started if job.frame is not None)
+            # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
+            rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]
+            if rest:
+                read = read_large_frames(self.connection, [keys.request_key(job.job_id) for job in rest], limit)
+                frames.update(zip((job.job_id for job in rest), read, strict=True))
+            taken = [Taken(job, _frame(job, frames.get(job.job_id), limit)) for job in started]
+        except BaseException:
+            self.on_released(started)
+            raise
+        for entry in skipped:  # after the reads: what fails here concerns no job this worker holds
             self._skip(entry)
-        frames: dict[str, object] = {}
-        if first and started and started[0].job_id == first_text:
-            frames[first_text] = first_frame[0]
-        frames.update((job.job_id, job.frame) for job in started if job.frame is not None)
-        # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
-        rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]
-        if rest:
-            read = read_large_frames(self.connection, [keys.request_key(job.job_id) for job in rest], limit)
-            frames.update(zip((job.job_id for job in rest), read, strict=True))
-        return [Taken(job, _frame(job, frames.get(job.job_id), limit)) for job in started]
+        return taken
 
     def _skip(self, skipped: Skipped) -> None:
         """Log a queue entry that was not started, and answer it where it can be answered."""
@@ -158,18 +168,27 @@ class Intake:
         if skipped.expirable:
             message = f"queue entry {skipped.entry[:80]!r} is no ortq job: {what}"
             error = wire.encode_error(InvalidJob.__name__, message) if skipped.answerable else b""
-            self.book.reject(skipped, error, self.settings.failure_ttl)
+            try:
+                self.book.reject(skipped, error, self.settings.failure_ttl)
+            except Exception as exc:  # no job of this worker's waits on it: the take goes on
+                log.error("answering queue entry %.80r failed: %s", skipped.entry, exc)
 
     def _wait_for_more(self, have: int) -> list[Taken]:
         """Fill the batch with jobs that arrive within ``max_wait`` of the first."""
         more: list[Taken] = []
         deadline = time.monotonic() + self.max_wait
         queue = self.book.queue
-        while 0 < have + len(more) < self.max_batch and (left := deadline - time.monotonic()) > 0.001:
-            raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, left))  # type: ignore[arg-type]
-            if raw is None:
-                break
-            more += self._start(raw, self.max_batch - have - len(more) - 1)
+        try:
+            while 0 < have + len(more) < self.max_batch and (left := deadline - time.monotonic()) > 0.001:
+                raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, left))  # type: ignore[arg-type]
+                if raw is None:
+                    break
+                more += self._start(raw, self.max_batch - have - len(more) - 1)
+        except Exception as exc:
+            # The batch so far is held and read: it runs. What this call left behind is found as
+            # every lost reply's is (a BLMOVE's by the rescue, a start's by the own-orphan recovery);
+            # the next take meets the error again if it lasts.
+            log.error("waiting for more jobs failed (%s); running the %d in hand", exc, have + len(more))
         return more
 
     def suspended(self) -> bool:

@@ -8,6 +8,10 @@ first: nobody who has seen the response is told the job still runs). Take, read 
 the feeder thread, reply and book-keep on the replier thread (ortq.worker.overlap), so that Redis
 and the next batch's decoding overlap the run; the main thread alone calls ``session.run``.
 
+Every job the worker holds leaves it exactly once: answered, handed on (put back on the queue by
+this worker) or released to the recovery of orphans, whatever fails on the way; the rule, and which
+path ends a job which way, are in ortq.worker.ownership.
+
 The worker is an RQ worker to every RQ tool (ortq.rqcompat writes RQ's records), but no RQ code
 runs in it: nothing from RQ is subclassed or patched. Its exit status says why it ended: 0 only
 when it was asked to stop (a signal, RQ's shutdown command, the end of a burst), EXIT_DEVICE_LOST
@@ -38,10 +42,11 @@ from ortq.worker.batch import group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
-from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, give_back, survive
+from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, survive
+from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
-from ortq.worker.upkeep import Upkeep
+from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
 
 log = logging.getLogger("ortq.worker")
 
@@ -72,6 +77,8 @@ class Worker:
         self.queue_name = keys.queue_name(identity.model)
         self.connection = settings.connect()
         self.presence = Presence(name, self.queue_name, identity, model.signature, settings)
+        #: Every job the worker holds, and how each left (ortq.worker.ownership).
+        self.ledger = self.presence.ledger
         self.upkeep = Upkeep(self._book(self.connection), settings)
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
         self.stop_requested = threading.Event()
@@ -138,6 +145,9 @@ class Worker:
             log.exception("the worker's loop ended unexpectedly")
         finally:
             self._ready(False)
+            if held := self.ledger.jobs():  # every path above lets its jobs go: this is a defect
+                log.error("worker %s still held %d job(s) when it ended; requeueing them", self.name, len(held))
+                hand_on(self.upkeep, self.ledger, held, f"worker {self.name} ended still holding it", patience=10.0)
             beat.stop()
             self.presence.unregister(self.connection)
         log.info("worker %s stopped (exit status %d)", self.name, status)
@@ -186,17 +196,22 @@ class Worker:
             raise
         finally:
             self.stop_requested.set()
-            # Batches the feeder queued that will not run. With the device lost they go back to the
-            # queue, but only once the feeder has ended: it would take them again. Otherwise (a
-            # crash) they are taken back as orphans once this worker's heartbeat stops.
+            # Jobs that will not run here: the batch in hand when the device was lost, and batches
+            # the feeder queued that this thread, ending early (the device lost, an error), will not
+            # run. They are handed on (back at the head of the queue for a fresh worker), once the
+            # feeder has ended: it would take them again.
             leftovers = list(self._unanswered)
             while not self._fed_out and (batch := threads.batches.get()) is not END:
                 leftovers += [t.started for t in batch.taken]
             feeder.thread.join()
-            if threads.device_lost.is_set():
-                give_back(self.upkeep, leftovers)
-            threads.reply_later(END)
-            replier.thread.join()
+            if leftovers:
+                lost = threads.device_lost.is_set()
+                why = f"worker {self.name} lost its device" if lost else f"worker {self.name} ended before running it"
+                hand_on(self.upkeep, self.ledger, leftovers, why, REDIS_OUTAGE_LIMIT if lost else 10.0)
+            if threads.reply_later(END):
+                replier.thread.join()
+            for outcome in threads.unsent_replies():  # a dead replier's: answered here
+                self.replier.deliver(outcome, self.upkeep.book)
         if threads.fatal is not None:
             raise threads.fatal
 
@@ -229,12 +244,12 @@ class Worker:
                 unexpected = survive(self.stop_requested, exc, "running a batch", unexpected)
             finally:
                 self.threads.slots.release()
-                if self.threads.batches.empty() and self.threads.replies.empty():
-                    # Nothing to run next: answering here is sooner than waking the replier (on a
-                    # loaded machine a thread's wake-up costs a sequential request ~0.1 ms).
+                idle = self.threads.batches.empty() and self.threads.replies.empty()
+                # Nothing to run next: answering here is sooner than waking the replier (on a
+                # loaded machine a thread's wake-up costs a sequential request ~0.1 ms). A dead
+                # replier's work is done here too.
+                if idle or not self.threads.reply_later(outcome):
                     self.replier.deliver(outcome, self.upkeep.book)
-                else:
-                    self.threads.reply_later(outcome)
 
     def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
         """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""

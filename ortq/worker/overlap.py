@@ -9,9 +9,13 @@ thread computes at a time).
 At most one batch waits beside the one running, and a second only while the queue has a backlog
 (the last start left jobs on it; ``Slots``): a worker takes no more jobs than it is about to run,
 so that its neighbours on the queue are not starved. Each thread has its own Redis connection. A
-job is held (its records kept fresh by the heartbeat, see ortq.worker.presence) from its start
-until its answer is written; the scripts are fenced, so a job taken back from this worker meanwhile
-is answered once all the same.
+job is held (its records kept fresh by the heartbeat) from its start until it is answered, handed
+on or released (ortq.worker.ownership, whose rule every path here keeps); the scripts are fenced,
+so a job taken back from this worker meanwhile is answered once all the same.
+
+A thread that dies ends the worker: the feeder's death ends the main thread's loop once the
+batches already taken have run, and the replier's makes the main thread answer what is left
+itself, then end (exit status 1; the pool starts a fresh process).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ortq.errors import ConfigurationError
@@ -30,6 +34,7 @@ from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redis_message
 from ortq.worker import jobs
 from ortq.worker.intake import Intake, Taken
+from ortq.worker.ownership import Left, hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.upkeep import Upkeep, despite_outage
 
@@ -103,18 +108,37 @@ class Threads:
         self.fatal: BaseException | None = None
         #: Set when the GPU is gone: the feeder gives back what it takes instead of queueing it.
         self.device_lost = threading.Event()
+        #: Set when the replier thread has died: nothing handed to it would be answered.
+        self.replier_dead = threading.Event()
 
-    def reply_later(self, outcome: Outcome | None) -> None:
+    def reply_later(self, outcome: Outcome | None) -> bool:
         """Hand ``outcome`` (END: no more) to the replier, once fewer than REPLIES_WAITING wait;
-        waiting in short slices, so that signals get their turn."""
-        while True:
+        waiting in short slices, so that signals get their turn. False when the replier is dead:
+        the caller answers ``outcome`` itself."""
+        while not self.replier_dead.is_set():
             try:
                 self.replies.put(outcome, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
+
+    def unsent_replies(self) -> list[Outcome]:
+        """The outcomes a dead replier left in its queue."""
+        left: list[Outcome] = []
+        while True:
+            try:
+                outcome = self.replies.get_nowait()
+            except queue.Empty:
+                return left
+            if outcome is not END:
+                left.append(outcome)
 
     def fail(self, exc: BaseException) -> None:
+        """End the worker for ``exc`` (the main thread raises it once the other threads are done);
+        one that is not an Exception becomes one, so that the worker ends with exit status 1."""
+        if not isinstance(exc, Exception):
+            exc = RuntimeError(f"thread {threading.current_thread().name} died: {exc!r}")
         if self.fatal is None:
             self.fatal = exc
         self.stop.set()
@@ -146,18 +170,6 @@ def acl_refusal(exc: Exception) -> ConfigurationError | None:
     )
 
 
-def give_back(upkeep: Upkeep, held: Sequence[StartedJob]) -> None:
-    """Requeue jobs this worker started but will not answer: its device is gone, so a fresh
-    process must take over (EXIT_DEVICE_LOST)."""
-    me = upkeep.book.worker_name
-    why = f"worker {me} lost its device"
-    for job in held:
-        despite_outage(
-            "requeueing a job",
-            lambda job=job: upkeep.take_back(job.job_id, job.execution_id, me, why),  # type: ignore[misc]
-        )
-
-
 class Feeder:
     """The take, read and check stages, on a thread of their own."""
 
@@ -173,7 +185,10 @@ class Feeder:
     ) -> None:
         self.threads = threads
         self.connection = book.connection
-        self.intake = Intake(self.connection, book, settings, max_batch, max_wait, presence.hold, presence.starting)
+        released = lambda jobs: presence.ledger.leave(jobs, Left.RELEASED)  # noqa: E731
+        self.intake = Intake(
+            self.connection, book, settings, max_batch, max_wait, presence.hold, presence.starting, released
+        )
         self.upkeep = Upkeep(book, settings)
         self.settings = settings
         self.presence = presence
@@ -217,7 +232,7 @@ class Feeder:
                 continue
             if taken is None:  # burst, and the queue is empty
                 threads.slots.release()
-                if not self.presence.held_executions():
+                if not self.presence.ledger.held():
                     log.info("burst: the queue is empty")
                     return
                 threads.stop.wait(0.01)  # what is in hand may still put a retry back on the queue
@@ -233,7 +248,7 @@ class Feeder:
             self.presence.set_state(self.connection, "suspended")
             self.threads.stop.wait(1.0)
             return [] if not self.burst else None
-        held = self.presence.held_executions()
+        held = self.presence.ledger.held()
         self.upkeep.between_takes(held)
         if not held:
             self.presence.set_state(self.connection, "idle")  # start.lua writes "busy"
@@ -244,8 +259,9 @@ class Feeder:
         goes back to the queue."""
         threads = self.threads
         if threads.device_lost.is_set():
-            give_back(self.upkeep, [t.started for t in taken])
-            self.presence.release([t.started for t in taken])
+            # Taken as the GPU went away: back to the queue for a fresh process (EXIT_DEVICE_LOST).
+            why = f"worker {self.upkeep.book.worker_name} lost its device"
+            hand_on(self.upkeep, self.presence.ledger, [t.started for t in taken], why)
             threads.slots.release()
             return
         threads.batches.put(TakenBatch(taken, self.intake.batch_wait))
@@ -270,14 +286,21 @@ class Replier:
         self.thread = threading.Thread(target=self._run, name="ortq-replier", daemon=True)
 
     def _run(self) -> None:
-        while (outcome := self.threads.replies.get()) is not END:
-            self.deliver(outcome, self.book)
+        try:
+            while (outcome := self.threads.replies.get()) is not END:
+                self.deliver(outcome, self.book)
+        except BaseException as exc:  # a defect: the worker ends, the main thread answers what is left
+            log.critical("the replier thread died", exc_info=exc)
+            self.threads.replier_dead.set()
+            self.threads.fail(exc)
 
     def deliver(self, outcome: Outcome, book: Book) -> None:
         """Stages 7-8 for a batch, through ``book`` (the replier's own, or the main thread's when it
-        answers itself); the jobs are let go of whatever happens."""
+        answers itself). Each of its jobs leaves the worker: answered once its script ran, else
+        released, whatever happens."""
+        answered: list[StartedJob] = []
         try:
-            self._answer(outcome, book)
+            self._answer(outcome, book, answered)
         except REDIS_DOWN as exc:  # past despite_outage's bound: the other workers take them back
             self.threads.fail(exc)
         except Exception as exc:
@@ -287,9 +310,13 @@ class Replier:
             if (refused := acl_refusal(exc)) is not None:
                 self.threads.fail(refused)
         finally:
-            self.presence.release(outcome.held)
+            ledger = self.presence.ledger
+            ledger.leave(answered, Left.ANSWERED)
+            done = {job.execution_id for job in answered}
+            ledger.leave([job for job in outcome.held if job.execution_id not in done], Left.RELEASED)
 
-    def _answer(self, outcome: Outcome, book: Book) -> None:
+    def _answer(self, outcome: Outcome, book: Book, answered: list[StartedJob]) -> None:
+        """Answer ``outcome``'s jobs, adding each to ``answered`` once its script has run."""
         finished: list[Finished] = []
         failures = list(outcome.failures)
         for computed in outcome.computed:  # stage 6: encoded here, while the main thread runs the next batch
@@ -300,6 +327,7 @@ class Replier:
                 failures.append(answer)
         for failure in failures:
             self._fail(failure, book)
+            answered.append(failure.started)
         presence = self.presence
         # Whether these are the last jobs held is known only with no start in flight (an "idle"
         # must not land after its "busy"). A start in flight is not waited for: its jobs keep the
@@ -307,10 +335,11 @@ class Replier:
         last = False
         if presence.starting.acquire(blocking=False):
             try:
-                last = presence.holds_only(outcome.held)
+                last = presence.ledger.holds_only(outcome.held)
                 if last:
                     if finished:
                         despite_outage("delivering results", lambda: book.finish(finished, state="idle"))
+                        answered += [done.started for done in finished]
                     else:
                         despite_outage("going idle", lambda: presence.set_state(book.connection, "idle", force=True))
                     presence.state = "idle"
@@ -318,6 +347,7 @@ class Replier:
                 presence.starting.release()
         if finished and not last:  # the worker stays busy: start.lua wrote that
             despite_outage("delivering results", lambda: book.finish(finished, state=""))
+            answered += [done.started for done in finished]
         metrics = self.metrics()
         if metrics is not None:
             metrics.jobs_succeeded([done.timings for done in finished])

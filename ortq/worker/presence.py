@@ -2,8 +2,8 @@
 ortq's own (``ortq:worker:<name>``, ``ortq:workers``, the model's signature), with its state and the
 jobs it holds, refreshed by each heartbeat and removed when it stops.
 
-The worker's threads say what they hold (``hold``/``release``) and what the worker is doing
-(``set_state``); the heartbeat thread publishes it (``heartbeat``). A lock keeps them apart.
+The worker's threads say what they hold (its ``ledger``: ortq.worker.ownership) and what the worker
+is doing (``set_state``); the heartbeat thread publishes it (``heartbeat``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings
 from ortq.signature import ModelSignature
 from ortq.worker.identity import WorkerIdentity
+from ortq.worker.ownership import Ledger
 
 log = logging.getLogger("ortq.worker")
 
@@ -40,9 +41,8 @@ class Presence:
         self.records = WorkerRecords(name, queue_name, executions=settings.rq_executions)
         self.state = "started"
         self._signature_json = json.dumps({"model": identity.model, **signature.to_json()})
-        #: The jobs the worker holds (started, not yet answered), by execution id.
-        self._held: dict[str, StartedJob] = {}
-        self._lock = threading.Lock()
+        #: The jobs the worker holds (started, not yet answered, handed on or released).
+        self.ledger = Ledger()
         #: Held by the feeder from sending a start script until its jobs are held, and by the
         #: replier (when free: it never waits for a start) from finding that an answer leaves the
         #: worker idle until it has written "idle": so "idle" never lands after a start's "busy"
@@ -52,26 +52,9 @@ class Presence:
     # ------------------------------------------------------------------ the worker threads' side
 
     def hold(self, jobs: Sequence[StartedJob]) -> None:
-        """The worker has started ``jobs``: heartbeats keep their records fresh until released."""
-        with self._lock:
-            self._held.update((job.execution_id, job) for job in jobs)
+        """The worker has started ``jobs``: heartbeats keep their records fresh until they leave."""
+        self.ledger.hold(jobs)
         self.state = "busy"  # start.lua wrote it
-
-    def release(self, jobs: Sequence[StartedJob]) -> None:
-        """The worker has answered ``jobs`` (or let them go to be taken back)."""
-        with self._lock:
-            for job in jobs:
-                self._held.pop(job.execution_id, None)
-
-    def held_executions(self) -> frozenset[str]:
-        """The execution ids of the jobs held now."""
-        with self._lock:
-            return frozenset(self._held)
-
-    def holds_only(self, jobs: Sequence[StartedJob]) -> bool:
-        """Whether the worker holds nothing besides ``jobs``: answering them leaves it idle."""
-        with self._lock:
-            return self._held.keys() <= {job.execution_id for job in jobs}
 
     def set_state(self, connection: redis.Redis, state: str, force: bool = False) -> None:
         """RQ's worker state, written when it changes (``force``: when scripts may have changed it)."""
@@ -89,8 +72,7 @@ class Presence:
         """ortq's record of this worker (``ortq:worker:<name>``). ``held_job``: one job it held at
         this heartbeat, for ``ortq info`` where RQ's records do not say (Settings.rq_executions off)."""
         ident = self.identity
-        with self._lock:
-            held = next(iter(self._held.values()), None)
+        held = self.ledger.first()
         return {
             "name": self.name,
             "model": ident.model,
@@ -110,8 +92,7 @@ class Presence:
     def heartbeat(self, connection: redis.Redis) -> None:
         """RQ's heartbeat of the worker and of the jobs it holds, and ortq's records; one round
         trip. A record of the wrong type (written by someone else) is written again."""
-        with self._lock:
-            running = list(self._held.values())
+        running = self.ledger.jobs()
         with connection.pipeline(transaction=False) as pipe:
             positions = self.records.queue_heartbeat(pipe, running)
             pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)

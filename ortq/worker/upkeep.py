@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from ortq import wire
 from ortq.producer.priority import ensure_functions
@@ -35,6 +35,10 @@ MAX_RECOVERIES = 2
 class Upkeep:
     """The tasks, rate-limited, on one connection (the heartbeat thread's, or the main thread's)."""
 
+    #: Seconds between runs of the tasks that do not follow the heartbeat (the recovery of orphans and
+    #: the rescue do: every half and every whole ``heartbeat_seconds``).
+    EVERY: ClassVar[dict[str, float]] = {"retries": 1.0, "registries": 60.0, "functions": 30.0}
+
     def __init__(self, book: Book, settings: Settings) -> None:
         self.book = book
         self.settings = settings
@@ -54,13 +58,13 @@ class Upkeep:
             self.recover_abandoned(own=False)
         if self._every("rescue", beat):
             self.rescue()
-        if self._every("retries", 1.0):
+        if self._every("retries", self.EVERY["retries"]):
             self.book.due_retries()
-        if self._every("registries", 60.0):
+        if self._every("registries", self.EVERY["registries"]):
             for key in self.book.maintain():
                 log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
             prune_workers(self.book.connection, self.book.queue.name)
-        if self._every("functions", 30.0):
+        if self._every("functions", self.EVERY["functions"]):
             ensure_functions(self.book.connection)
 
     def between_takes(self, held: frozenset[str]) -> None:
@@ -104,18 +108,19 @@ class Upkeep:
             log.warning("job %s: %s; %s", job_id, message, outcome)
 
 
-def despite_outage(what: str, call: Callable[[], T]) -> T:
-    """``call()``, retried through a Redis outage of up to REDIS_OUTAGE_LIMIT seconds: what it
-    writes (answers, failures) exists nowhere else. The scripts are fenced, so a call that ran
-    but whose reply was lost does nothing the second time."""
+def despite_outage(what: str, call: Callable[[], T], limit: float = REDIS_OUTAGE_LIMIT) -> T:
+    """``call()``, retried through a Redis outage of up to ``limit`` seconds: what it writes
+    (answers, failures) exists nowhere else. The scripts are fenced, so a call that ran but whose
+    reply was lost does nothing the second time."""
     delay = 0.5
-    deadline = time.monotonic() + REDIS_OUTAGE_LIMIT
+    deadline = time.monotonic() + limit
     while True:
         try:
             return call()
         except REDIS_DOWN as exc:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise
-            log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
-            time.sleep(delay)
+            log.error("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, min(delay, left))
+            time.sleep(min(delay, left))
             delay = min(delay * 2, 5.0)

@@ -1,0 +1,86 @@
+"""A TCP proxy in front of a real redis-server that can reset every connection through it at once
+(an RST, as a dropped NAT entry, a load balancer's failover or a crashing sidecar gives), for
+tests of what worker processes do when their connections keep breaking."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from types import TracebackType
+
+
+class ResettingProxy:
+    """Forwards 127.0.0.1:``port`` to ``upstream_port``; ``reset_all()`` breaks every connection."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._closed = False
+        #: Connections reset so far.
+        self.resets = 0
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), name="proxy-pump", daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def reset_all(self) -> int:
+        """Reset every open connection (the client side gets ECONNRESET); how many there were."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for client, upstream in pairs:
+            # SO_LINGER 0: close sends an RST, not a FIN. SHUT_RD first wakes the pump blocked in
+            # recv on it (closing alone would not), and sends nothing.
+            for end, how in ((client, socket.SHUT_RD), (upstream, socket.SHUT_RDWR)):
+                try:
+                    if end is client:
+                        end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    end.shutdown(how)
+                except OSError:
+                    pass
+                end.close()
+        self.resets += len(pairs)
+        return len(pairs)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.reset_all()
+
+    def __enter__(self) -> ResettingProxy:
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None) -> None:
+        self.close()

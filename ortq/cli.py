@@ -14,6 +14,7 @@ import redis
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import BrokerUnavailable, OrtqError, exit_status
 from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
+from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 _REDIS_URL = redis_url_option()
 _SHARDS = shards_option()
@@ -192,6 +193,23 @@ def main(verbose: bool) -> None:
     metavar="REGEX",
     help="Also treat run errors matching REGEX as a lost GPU (requeue the jobs, exit with status 75).",
 )
+@click.option(
+    "--stall-seconds",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_STALL_SECONDS,
+    envvar="ORTQ_STALL_SECONDS",
+    show_default=True,
+    help="A run lasting longer is taken as hung (a GPU driver that never returns): requeue this worker's jobs "
+    "and exit with status 75 for a fresh process. 0: never.",
+)
+@click.option(
+    "--job-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    envvar="ORTQ_JOB_TIMEOUT",
+    metavar="SECONDS",
+    help="Stop a run after SECONDS for jobs that set no timeout of their own (JobTimeout); default: no limit.",
+)
 @_REDIS_URL
 def worker(
     model_path: Path,
@@ -213,6 +231,8 @@ def worker(
     metrics_port: int,
     metrics_host: str,
     device_lost_pattern: str | None,
+    stall_seconds: float,
+    job_timeout: float | None,
     redis_url: str | None,
 ) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
@@ -239,6 +259,8 @@ def worker(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         device_lost_pattern=device_lost_pattern,
+        stall_seconds=stall_seconds,
+        job_timeout=job_timeout,
     )
     sys.exit(serve(config, _settings(redis_url)))
 

@@ -10,6 +10,8 @@ checks it with ``onnx.checker`` and returns the path. Needs ``onnx`` (a dev depe
 * :func:`multi_dtype_model` -- Identity pass-through of float16/int64/uint8/bool/float64 inputs.
 * :func:`slow_model` -- a Loop of 256x256 MatMuls; ``loops`` sets how long one run takes
   (:func:`timed_slow_model`: loops measured to last a given time on this machine).
+* :func:`hang_model` -- ``y = 2x + 1``, but a run with an input above :data:`HANG_ABOVE` never
+  returns (a stand-in for a hung GPU driver).
 * :func:`gather_model` -- ``y = table[idx]``; an out-of-range index fails the run itself.
 * :func:`job_gather_model`, :func:`centered_model` -- ``x[idx]`` and ``x - mean(x, axis=0)``: models
   whose rows are not independent, which batching must not join.
@@ -223,6 +225,65 @@ def slow_model(path: Path, loops: int = SLOW_MODEL_LOOPS) -> Path:
             "repeats": np.array([256, 1], dtype=np.int64),
             "trip_count": np.array(loops, dtype=np.int64),
         },
+    )
+
+
+#: Steps of :func:`hang_model`'s endless Loop: at a microsecond or more a step, weeks.
+HANG_STEPS = 10**12
+#: :func:`hang_model` hangs on inputs with an element above this (warm-up and canary inputs are
+#: standard normal: they never do).
+HANG_ABOVE = 1000.0
+
+
+def hang_model(path: Path) -> Path:
+    """Input ``x`` float32 ``[batch, 4]`` -> ``y = 2x + 1``, except that when any element of ``x``
+    is above :data:`HANG_ABOVE` the run enters a Loop of :data:`HANG_STEPS` steps that add zero: it never returns,
+    and no timeout is set on it, as a GPU driver that hangs inside ``Run``."""
+    zero, two, one = (helper.make_node("Constant", [], [n], value=numpy_helper.from_array(_f32(v), n))
+                      for n, v in (("zero", 0.0), ("two", 2.0), ("one", 1.0)))  # fmt: skip
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            zero,
+            helper.make_node("Add", ["s_in", "zero"], ["s_out"]),
+        ],
+        "hang_body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_in", TensorProto.FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_out", TensorProto.FLOAT, None),
+        ],
+    )
+    steps = helper.make_node(
+        "Constant", [], ["steps"], value=numpy_helper.from_array(np.array(HANG_STEPS, np.int64), "steps")
+    )
+    hang = helper.make_graph(
+        [steps, helper.make_node("Loop", ["steps", "", "x"], ["forever"], body=body)],
+        "hang",
+        [],
+        [helper.make_tensor_value_info("forever", TensorProto.FLOAT, None)],
+    )
+    affine = helper.make_graph(
+        [two, one, helper.make_node("Mul", ["x", "two"], ["x2"]), helper.make_node("Add", ["x2", "one"], ["plus"])],
+        "affine",
+        [],
+        [helper.make_tensor_value_info("plus", TensorProto.FLOAT, None)],
+    )
+    return _save(
+        path,
+        "hang",
+        nodes=[
+            helper.make_node("ReduceMax", ["x"], ["largest"], keepdims=0),
+            helper.make_node("Greater", ["largest", "limit"], ["positive"]),
+            helper.make_node("If", ["positive"], ["y"], then_branch=hang, else_branch=affine),
+        ],
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializers={"limit": _f32(HANG_ABOVE)},
     )
 
 

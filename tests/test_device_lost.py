@@ -8,6 +8,7 @@ print is checked against the matcher on recorded messages.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,10 @@ import redis
 from ortq import keys
 from ortq.errors import EXIT_DEVICE_LOST, InferenceFailed
 from ortq.producer import Producer
+from ortq.settings import Settings
 from ortq.worker.devicelost import DeviceLostMatcher
 from tests import onnx_models
-from tests.conftest import WorkerProcesses
+from tests.conftest import Pool, WorkerProcesses, eventually
 
 # Messages as ONNX Runtime reports them (from its issue tracker and driver logs).
 LOST = [
@@ -83,3 +85,54 @@ def test_a_lost_device_requeues_the_job_and_exits_75(
     idx = np.array([0, 3, -1], np.int64)
     direct = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"idx": idx})[0]
     assert producer.infer(model_name, {"idx": idx})["y"].tolist() == direct.tolist()
+
+
+def test_a_hung_run_hands_its_jobs_on_and_the_pool_starts_a_fresh_worker(
+    tmp_path: Path, models_dir: Path, model_name: str, redis_url: str, pools: list[Pool]
+) -> None:
+    """A run that never returns (tests/onnx_models.hang_model: no timeout on it, as a hung driver):
+    past ``stall_seconds`` the worker stops beating, requeues what it holds and exits 75; the pool
+    starts a fresh one at once. The job that hangs every worker ends as WorkerLost after its two
+    recoveries; the job behind it is answered."""
+    hang = onnx_models.hang_model(models_dir / "hang.onnx")
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        textwrap.dedent(f"""
+        [pool]
+        measure_memory = false
+        grace_seconds = 5
+        [pool.restart]
+        backoff_initial_seconds = 0.5
+        [pool.env]
+        ORTQ_HEARTBEAT_SECONDS = 0.5
+        [[model]]
+        name = "{model_name}"
+        path = "{hang}"
+        provider = "cpu"
+        threads = 1
+        stall_seconds = 2
+        job_timeout = 1
+        [[model.workers]]
+        count = 1
+        """)
+    )
+    pools.append(pool := Pool(config, redis_url))
+    session = ort.InferenceSession(str(hang), providers=["CPUExecutionProvider"])
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        producer.wait_for_workers(model_name, 1, timeout=60)
+        # A run stopped by the worker's --job-timeout (its Loop checks RunOptions.terminate)...
+        with pytest.raises(InferenceFailed, match="JobTimeout"):
+            producer.infer(model_name, {"x": np.full((1, 4), 2000, np.float32)}, timeout=30)
+        # ... and one that no timeout stops: a job whose own timeout is longer than stall_seconds.
+        poison = producer.submit(model_name, {"x": np.full((1, 4), 2000, np.float32)}, job_timeout=3600)
+        fine = producer.submit(model_name, {"x": np.ones((2, 4), np.float32)})
+        with pytest.raises(InferenceFailed, match="WorkerLost") as failed:
+            poison.result(timeout=120)
+        assert "stalled" in str(failed.value), pool.text()
+        x = np.ones((2, 4), np.float32)
+        np.testing.assert_array_equal(fine.result(timeout=60)["y"], session.run(None, {"x": x})[0])
+        assert poison.status() == "failed"
+    # The poison job's three runs, each by a fresh worker; none taken back for a stale heartbeat.
+    eventually(lambda: pool.text().count("exit 75 (device lost)") == 3, 30)
+    assert pool.text().count("no run has ended for 2 s") == 3
+    assert "stopped sending heartbeats" not in pool.text() and "intermediate list" not in pool.text()

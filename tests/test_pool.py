@@ -127,6 +127,10 @@ BAD_MODELS = [
      "[[model.workers]] #1: unknown key 'cuont'; did you mean 'count'?"),
     ("", "[[model.workers]]\nadapter = '0'\n", "count is missing"),
     ("[model.env]\nORTQ_THREADS = '2'\n", GROUP, "ORTQ_THREADS cannot be set here: the pool sets it from threads"),
+    ("stall_seconds = -1\n", GROUP, "stall_seconds must be a number >= 0"),
+    ("job_timeout = 0\n", GROUP, "job_timeout must be a number > 0"),
+    ("job_timeout = 700\n", GROUP, "job_timeout (700) must be shorter than stall_seconds (600)"),
+    ("stall_seconds = 20\njob_timeout = 20\n", GROUP, "job_timeout (20) must be shorter than stall_seconds (20)"),
 ]  # fmt: skip
 
 
@@ -164,6 +168,22 @@ def test_more_config_refusals(tmp_path: Path, model_file: Path) -> None:
     fastest = config(MODEL + "provider = 'cuda'\n[[model.workers]]\nadapter = 'fastest'\ncount = 1\n", tmp_path)
     with pytest.raises(ConfigurationError, match=r"#1: adapter 'fastest': unknown adapter spec"):
         make_plan(fastest, TWIN_GPUS, measure=no_measure)
+
+
+def test_stall_seconds_and_job_timeout_reach_the_workers_command_line(tmp_path: Path, model_file: Path) -> None:
+    text = (
+        "[pool]\nmeasure_memory = false\n"
+        + MODEL
+        + "stall_seconds = 90\njob_timeout = 30.5\n"
+        + GROUP
+        + MODEL.replace('"m"', '"n"')
+        + GROUP
+    )
+    slots = build_slots(make_plan(config(text, tmp_path), TWIN_GPUS, measure=no_measure), ShardMap("redis://h:1/0"))
+    timed, untimed = (slot.argv[slot.argv.index("worker") + 1 :] for slot in (slots[0], slots[-1]))
+    assert timed[timed.index("--stall-seconds") + 1 :][:3] == ("90", "--job-timeout", "30.5")
+    assert "--stall-seconds" not in untimed and "--job-timeout" not in untimed  # the worker's defaults
+    assert config(MODEL + "stall_seconds = 0\njob_timeout = 5000\n" + GROUP, tmp_path).models[0].stall_seconds == 0
 
 
 def test_the_command_line_refuses_a_bad_config_with_one_line(tmp_path: Path, model_file: Path) -> None:

@@ -20,6 +20,7 @@ from ortq.errors import ConfigurationError
 from ortq.settings import Settings, redacted_url
 from ortq.shards import ENV_VAR as SHARDS_ENV_VAR
 from ortq.shards import ShardMap
+from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "plugin", "auto")
 POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
@@ -38,6 +39,8 @@ _FROM_KEY = {
     "ORTQ_MAX_BATCH": "max_batch",
     "ORTQ_MAX_WAIT_MS": "max_wait_ms",
     "ORTQ_ROWS_INDEPENDENT": "rows_independent",
+    "ORTQ_STALL_SECONDS": "stall_seconds",
+    "ORTQ_JOB_TIMEOUT": "job_timeout",
     "ORTQ_REDIS_URL": "redis_url in [pool] or [[model]]",
     SHARDS_ENV_VAR: "redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
     "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
@@ -105,6 +108,9 @@ class ModelConfig:
     #: provider "plugin": the EP's shared library, and which of its EPs (None: its only one).
     ep_library: Path | None = None
     ep_name: str | None = None
+    #: ``ortq worker --stall-seconds`` (None: its default) and ``--job-timeout`` (None: no limit).
+    stall_seconds: float | None = None
+    job_timeout: float | None = None
 
     @property
     def worker_count(self) -> int:
@@ -200,12 +206,16 @@ class Table:
         bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         return self._get(key, default, check, f"an integer {bound}")
 
-    def number(self, key: str, default: float, minimum: float, above: bool = False) -> float:
+    @overload
+    def number(self, key: str, default: float, minimum: float, above: bool = False) -> float: ...
+    @overload
+    def number(self, key: str, default: None, minimum: float, above: bool = False) -> float | None: ...
+    def number(self, key: str, default: float | None, minimum: float, above: bool = False) -> float | None:
         def check(v: Any) -> bool:
             return isinstance(v, int | float) and not isinstance(v, bool) and (v > minimum if above else v >= minimum)
 
         value = self._get(key, default, check, f"a number {'>' if above else '>='} {minimum:g}")
-        return float(value)
+        return None if value is None else float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
         return self._get(key, default, lambda v: isinstance(v, bool), "true or false")
@@ -361,6 +371,8 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         redis_url=_redis_url(table),
         ep_library=None if ep_library is None else (base_dir / ep_library).resolve(),
         ep_name=ep_name,
+        stall_seconds=table.number("stall_seconds", None, 0),
+        job_timeout=table.number("job_timeout", None, 0, above=True),
     )
     table.finish()
     if not model.groups:
@@ -374,6 +386,9 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         )
     if policy != "prefer-gpu" and provider != "auto":
         raise table.error(f"policy applies to provider 'auto' only, not {provider!r}")
+    stall = DEFAULT_STALL_SECONDS if model.stall_seconds is None else model.stall_seconds
+    if model.job_timeout is not None and 0 < stall <= model.job_timeout:
+        raise table.error(f"job_timeout ({model.job_timeout:g}) must be shorter than stall_seconds ({stall:g})")
     return model
 
 

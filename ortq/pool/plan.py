@@ -299,6 +299,8 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
         batching = ["--max-batch", str(m.max_batch), "--max-wait-ms", f"{m.max_wait_ms:g}", "--rows-independent"]
         options += batching if m.max_batch > 1 else []
         options += ["--policy", m.policy] if m.provider == "auto" else []
+        options += ["--stall-seconds", f"{m.stall_seconds:g}"] if m.stall_seconds is not None else []
+        options += ["--job-timeout", f"{m.job_timeout:g}"] if m.job_timeout is not None else []
         flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
         options += [flag for flag, on in flags.items() if on]
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.

@@ -22,6 +22,7 @@ anything else.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -47,6 +48,7 @@ from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
+from ortq.worker.watchdog import DEFAULT_STALL_SECONDS, Progress
 
 log = logging.getLogger("ortq.worker")
 
@@ -66,7 +68,11 @@ class Worker:
         burst: bool = False,
         device_lost_pattern: str | None = None,
         metrics: WorkerMetrics | None = None,
+        stall_seconds: float = DEFAULT_STALL_SECONDS,
+        job_timeout: float | None = None,
     ) -> None:
+        """``stall_seconds``: a run lasting longer is taken as hung (ortq.worker.watchdog; 0:
+        never); ``job_timeout``: seconds a run may take for jobs that set no timeout of their own."""
         self.model = model
         self.identity = identity
         self.settings = settings
@@ -81,6 +87,8 @@ class Worker:
         self.ledger = self.presence.ledger
         self.upkeep = Upkeep(self._book(self.connection), settings)
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
+        self.progress = Progress(stall_seconds)
+        self.job_timeout = job_timeout
         self.stop_requested = threading.Event()
         self._beat_upkeep: Upkeep | None = None
         # The threads beside the main one (ortq.worker.overlap), each with its own connection.
@@ -172,8 +180,34 @@ class Worker:
     # ------------------------------------------------------------------ the heartbeat thread's work
 
     def _heartbeat(self, connection: redis.Redis) -> None:
+        if (lasted := self.progress.stalled_for()) is not None:
+            self._end_stalled(connection, lasted)
         self.presence.heartbeat(connection)
         self._ready(True)
+
+    def _end_stalled(self, connection: redis.Redis, lasted: float) -> None:
+        """The run in flight has lasted past ``stall_seconds``: taken as hung (ortq.worker.watchdog).
+        No more beats: every held job is handed on, the worker unregistered, and the process exits
+        from this thread with EXIT_DEVICE_LOST, the main thread being stuck in ``Run``."""
+        log.critical(
+            "no run has ended for %.0f s (--stall-seconds %g): the device or its driver is taken to be hung; "
+            "requeueing this worker's %d job(s) and exiting with status %d",
+            lasted,
+            self.progress.stall_seconds,
+            len(self.ledger.held()),
+            EXIT_DEVICE_LOST,
+        )
+        self.stop_requested.set()
+        self._ready(False)
+        # The feeder first ends its take (a BLMOVE in flight would pop a job requeued below), so
+        # that what it took is held, and handed on with the rest.
+        self.feeder.thread.join(self.feeder.intake.slice + self.settings.socket_timeout)
+        why = f"worker {self.name}'s run stalled (no run ended for {lasted:.0f} s)"
+        hand_on(Upkeep(self._book(connection), self.settings), self.ledger, self.ledger.jobs(), why, patience=10.0)
+        self.presence.unregister(connection)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_DEVICE_LOST)
 
     def _upkeep_beside(self, connection: redis.Redis) -> None:
         if self._beat_upkeep is None or self._beat_upkeep.book.connection is not connection:
@@ -264,9 +298,16 @@ class Worker:
         """One group: one run, the outputs split per job and encoded. If the run fails, each job
         runs alone so that only the bad one fails."""
         t0 = time.perf_counter()
-        timeouts = [m.job.timeout for m in members if m.job.timeout is not None and m.job.timeout > 0]
+        # Each job's own timeout, else the worker's default; the group runs under the smallest.
+        timeouts = [m.job.timeout if m.job.timeout is not None and m.job.timeout > 0 else self.job_timeout
+                    for m in members]  # fmt: skip
+        timeout = min((t for t in timeouts if t is not None), default=None)
         try:
-            outputs = self.model.run(jobs.group_inputs(members), timeout=min(timeouts, default=None))
+            self.progress.run_began()
+            try:
+                outputs = self.model.run(jobs.group_inputs(members), timeout=timeout)
+            finally:
+                self.progress.run_ended()
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
         except JobTimeout as exc:
             for member in members:  # running them again would only time out again

@@ -38,6 +38,7 @@ from ortq.worker.session import (
     load_model,
     warm_up,
 )
+from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 log = logging.getLogger("ortq.worker")
 
@@ -78,6 +79,11 @@ class WorkerConfig:
     #: A regular expression matched against run errors that mean the GPU is gone, besides
     #: ortq's own list (ortq.worker.devicelost).
     device_lost_pattern: str | None = None
+    #: A run that lasts longer is taken as hung: the worker hands on its jobs and exits 75
+    #: (ortq.worker.watchdog); 0: never.
+    stall_seconds: float = DEFAULT_STALL_SECONDS
+    #: Seconds a run may take for a job that sets no ``timeout`` of its own (RQ's job timeout); None: no limit.
+    job_timeout: float | None = None
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
@@ -111,6 +117,15 @@ class WorkerConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ConfigurationError(f"threads must be >= 1, got {self.threads}")
+        if self.stall_seconds < 0:
+            raise ConfigurationError(f"--stall-seconds must be >= 0 (0: never), got {self.stall_seconds:g}")
+        if self.job_timeout is not None and self.job_timeout <= 0:
+            raise ConfigurationError(f"--job-timeout must be a positive number of seconds, got {self.job_timeout:g}")
+        if self.job_timeout is not None and 0 < self.stall_seconds <= self.job_timeout:
+            raise ConfigurationError(
+                f"--job-timeout ({self.job_timeout:g} s) must be shorter than --stall-seconds "
+                f"({self.stall_seconds:g} s): a run past the stall limit is taken as hung, and its worker exits"
+            )
 
     def default_worker_name(self) -> str:
         return f"{self.model_name}.{socket.gethostname()}.{os.getpid()}"
@@ -225,6 +240,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "nodes": model.placement,
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
+            "stall_seconds": config.stall_seconds,
+            "job_timeout": config.job_timeout,
             "rq_results": settings.rq_results,
             "rq_executions": settings.rq_executions,
         },
@@ -239,6 +256,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         max_wait_ms=config.max_wait_ms,
         burst=config.burst,
         device_lost_pattern=config.device_lost_pattern,
+        stall_seconds=config.stall_seconds,
+        job_timeout=config.job_timeout,
     )
 
 

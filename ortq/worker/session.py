@@ -160,7 +160,10 @@ class LoadedModel:
             return self._run(inputs, options)
         except Exception as exc:
             if options.terminate:
-                raise JobTimeout(f"the run was stopped after the job's timeout of {timeout:g} s") from exc
+                raise JobTimeout(
+                    f"the run was stopped after its timeout of {timeout:g} s "
+                    "(the job's own, else the worker's --job-timeout)"
+                ) from exc
             raise
         finally:
             self.deadline.disarm()

@@ -63,9 +63,15 @@ class CorruptRecord(OrtqError):
 
 
 class ResponseMismatch(OrtqError):
-    """A response does not answer this producer's request: it does not carry the random nonce the
-    request did. Someone with write access to Redis replaced the request frame or forged the reply;
-    the outputs are not returned."""
+    """A response does not answer this producer's request: it does not carry the proof made from the
+    request's random nonce and the model (docs/wire-format.md, "The proof"). Someone with write
+    access to Redis replaced the request frame or pushed the job onto another model's queue; the
+    outputs are not returned."""
+
+
+class ProtocolMismatch(ConfigurationError):
+    """The model's workers speak another ortq protocol (docs/wire-format.md) than this producer: jobs
+    would never be answered. Nothing was enqueued; upgrade producers and workers together."""
 
 
 class ResultTimeout(OrtqError):

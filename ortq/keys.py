@@ -15,6 +15,11 @@ from ortq.rqcompat import layout
 
 PREFIX = "ortq:"
 
+#: The version of the keys and commands docs/wire-format.md describes (the frame has its own,
+#: ``wire.WIRE_VERSION``). Workers publish it in their model's signature record; producers refuse
+#: to enqueue for workers of another.
+PROTOCOL = 3
+
 #: The dotted path every ortq RQ job names. A worker runs no other function.
 JOB_FUNC = "ortq.rqjob.infer"
 
@@ -56,15 +61,16 @@ def job_key(job_id: str) -> str:
     return layout.job_key(job_id)
 
 
-def request_key(job_id: str) -> str:
-    """String holding the job's request frame; written with the enqueue, deleted when the job ends."""
-    return PREFIX + "req:" + job_id
+def request_key(model: str, job_id: str) -> str:
+    """String holding the job's request frame; written with the enqueue, deleted when the job ends.
+    Named by model, so that a per-model ACL rule covers it (docs/security.md)."""
+    return PREFIX + "req:" + model + ":" + job_id
 
 
-def reply_key(job_id: str) -> str:
+def reply_key(model: str, job_id: str) -> str:
     """Stream holding the job's one response frame (field ``frame``), written by workers only;
-    producers wait on it with XREAD, which writes nothing."""
-    return PREFIX + "reply:" + job_id
+    producers wait on it with XREAD, which writes nothing. Named by model, as the request."""
+    return PREFIX + "reply:" + model + ":" + job_id
 
 
 def answer_stage_key(job_id: str, execution_id: str) -> str:

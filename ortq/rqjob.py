@@ -39,8 +39,10 @@ def _undecodable(exc: Exception) -> str:
 
 
 def _reason(func_name: object, instance: object, callbacks: Mapping[str, object]) -> str | None:
+    """Why a job must not run, in words of the worker's own: the reason reaches the job's producer,
+    and a job record is anyone's to write (docs/security.md), so it quotes nothing from it."""
     if func_name != JOB_FUNC:
-        return f"job names {func_name!r}; an ortq worker only runs {JOB_FUNC}"
+        return f"job names a function other than {JOB_FUNC}, the only one an ortq worker runs"
     if instance is not None:
         return "job names a bound method; an ortq worker only runs a plain function"
     for name, value in callbacks.items():
@@ -67,6 +69,8 @@ class JobRecord:
     retry_intervals: tuple[int, ...]
     #: Why the job must not run (the same checks as OrtqJob.forbidden_reason), or None.
     forbidden: str | None
+    #: The model its ``data`` names (the argument of ``ortq.rqjob.infer``), or None.
+    model: str | None
 
     @classmethod
     def parse(cls, job_id: str, job_hash: Mapping[bytes, bytes]) -> JobRecord:
@@ -106,7 +110,7 @@ def _intervals(raw: bytes | None) -> tuple[int, ...]:
     return tuple(max(0, min(int(v), MAX_SECONDS)) for v in values[:MAX_RETRIES] if math.isfinite(v))
 
 
-_Settled = tuple[int | None, int | None, int | None, int | None, int, tuple[int, ...], str | None]
+_Settled = tuple[int | None, int | None, int | None, int | None, int, tuple[int, ...], str | None, str | None]
 
 
 def _settled(job_hash: Mapping[bytes, bytes]) -> _Settled:
@@ -118,7 +122,7 @@ def _settled(job_hash: Mapping[bytes, bytes]) -> _Settled:
         _int(job_hash.get(b"ttl")),
         max(0, min(_int(job_hash.get(b"retries_left")) or 0, MAX_RETRIES)),
         _intervals(job_hash.get(b"retry_intervals")),
-        _verdict(job_hash),
+        *_verdict(job_hash),
     )
 
 
@@ -136,13 +140,15 @@ _SETTLED_KEYS = (
 _SETTLED: dict[tuple[bytes | None, ...], _Settled] = {}
 
 
-def _verdict(job_hash: Mapping[bytes, bytes]) -> str | None:
+def _verdict(job_hash: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
+    """Why the job must not run (or None), and the model its ``data`` names (or None)."""
     try:
-        func_name, instance, _args, _kwargs = MsgpackSerializer.loads(job_data(job_hash))
+        func_name, instance, args, _kwargs = MsgpackSerializer.loads(job_data(job_hash))
     except Exception as exc:  # anything a forged hash holds
-        return _undecodable(exc)
+        return _undecodable(exc), None
     callbacks = {name: job_hash.get(name.encode()) for name in _CALLBACK_FIELDS}
-    return _reason(func_name, instance, callbacks)
+    model = args[0] if isinstance(args, list | tuple) and len(args) == 1 and isinstance(args[0], str) else None
+    return _reason(func_name, instance, callbacks), model
 
 
 def parse_rq_time(raw: bytes | str | None) -> datetime | None:

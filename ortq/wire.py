@@ -11,6 +11,7 @@ allocates from declared shapes, and returns arrays that are zero-copy views of t
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,7 +67,20 @@ __all__ = [
     "encode_request",
     "encode_response",
     "layout_of",
+    "proof_of",
 ]
+
+
+#: Bytes of a response's ``proof`` (SHA-256).
+PROOF_BYTES = 32
+
+
+def proof_of(model: str, nonce: bytes) -> bytes:
+    """What binds a response to its request: SHA-256 of the model's name, a newline and the request's
+    nonce. The worker that read the request writes it in its response; the producer, who alone knows
+    the nonce (request frames are write-only to producers, and no worker publishes a nonce), checks it.
+    A response carrying it was made from that producer's own request frame, by a worker of that model."""
+    return hashlib.sha256(model.encode() + b"\n" + nonce).digest()
 
 
 def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | None = None) -> bytes:
@@ -78,27 +92,26 @@ def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | No
 
 
 def encode_response(
-    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, nonce: bytes | None = None
+    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, proof: bytes | None = None
 ) -> bytes:
     """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
-    request's ``nonce``."""
-    return encode_laid_out(outputs, layout_of(outputs), _timings(timings), nonce)
+    ``proof`` (``proof_of``) that binds it to its request."""
+    return encode_laid_out(outputs, layout_of(outputs), _timings(timings), proof)
 
 
 def encode_laid_out(
-    outputs: Mapping[str, NDArray[Any]], layout: Layout | None, timings: dict[str, float], nonce: bytes | None = None
+    outputs: Mapping[str, NDArray[Any]], layout: Layout | None, timings: dict[str, float], proof: bytes | None = None
 ) -> bytes:
     """encode_response for a caller that has looked up ``layout_of(outputs)`` already (the worker
     uses it for RQ's result too; None: no layout, the general encoder) and whose ``timings`` are
     the plain map of str to float the header carries."""
     if layout is None:
         body = {"kind": "response", "ok": True, "outputs": outputs, "timings": timings}
-        return _encode(_with_nonce(body, nonce), "outputs")
-    # The same bytes as _encode's: the header's map ends with the timings and the nonce.
-    header = (layout.head if nonce is None else layout.head_with_nonce) + msgpack.packb(timings)
-    if nonce is not None:  # as msgpack's bin 8 where it fits (a producer's nonce always does)
-        short = len(nonce) < 256
-        header += _NONCE_KEY + (b"\xc4" + bytes((len(nonce),)) + nonce if short else msgpack.packb(nonce))
+        return _encode(_with_proof(body, proof), "outputs")
+    # The same bytes as _encode's: the header's map ends with the timings and the proof.
+    header = (layout.head if proof is None else layout.head_with_proof) + msgpack.packb(timings)
+    if proof is not None:  # as msgpack's bin 8, as _encode writes it
+        header += _PROOF_KEY + b"\xc4" + bytes((len(proof),)) + proof
     if len(header) > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
     parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]
@@ -112,16 +125,16 @@ def encode_laid_out(
 class Layout:
     """What a response says of outputs of given names, dtypes and shapes, worked out once for the
     jobs of a batch, whose outputs look alike: the header up to its timings (its map one entry
-    longer in ``head_with_nonce``), the padding before each tensor and, for RQ's result, each
+    longer in ``head_with_proof``), the padding before each tensor and, for RQ's result, each
     output's ``[dtype, shape]``."""
 
     head: bytes
-    head_with_nonce: bytes
+    head_with_proof: bytes
     pads: tuple[bytes, ...]
     shapes: dict[str, list[Any]]
 
 
-_NONCE_KEY = msgpack.packb("nonce")
+_PROOF_KEY = msgpack.packb("proof")
 _LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...]], ...], Layout] = {}
 
 
@@ -151,20 +164,21 @@ def layout_of(outputs: Mapping[str, object]) -> Layout | None:
 
 
 def encode_error(
-    error_type: str, message: str, timings: Mapping[str, float] | None = None, nonce: bytes | None = None
+    error_type: str, message: str, timings: Mapping[str, float] | None = None, proof: bytes | None = None
 ) -> bytes:
-    """A failed response frame; very long messages are cut so the frame always fits the header limit."""
+    """A failed response frame (with the ``proof`` of the request it answers, when its request was
+    read); very long messages are cut so the frame always fits the header limit."""
     if len(message) > _MAX_ERROR_MESSAGE_CHARS:
         message = message[:_MAX_ERROR_MESSAGE_CHARS] + " [truncated]"
     error = {"type": error_type[:256], "message": message}
     return _encode(
-        _with_nonce({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, nonce), None
+        _with_proof({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, proof), None
     )
 
 
-def _with_nonce(body: dict[str, Any], nonce: bytes | None) -> dict[str, Any]:
-    if nonce is not None:
-        body["nonce"] = nonce
+def _with_proof(body: dict[str, Any], proof: bytes | None) -> dict[str, Any]:
+    if proof is not None:
+        body["proof"] = proof
     return body
 
 
@@ -194,19 +208,21 @@ def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = D
     timings = header.get("timings", {})
     if not isinstance(timings, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timings.items()):
         raise WireFormatError("header 'timings' must be a map of string to number")
-    nonce = _check_nonce(header.get("nonce"), "'nonce'")
+    proof = header.get("proof")
+    if proof is not None and not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES):
+        _fail(f"header 'proof' must be {PROOF_BYTES} bytes (msgpack bin), got {_short(proof)}")
     ok = header.get("ok")
     if ok is True:
-        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings), nonce)
+        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings), proof)
     if ok is not False:
         raise WireFormatError(f"header 'ok' must be true or false, got {_short(ok)}")
     error = header.get("error")
     if not isinstance(error, dict) or not all(isinstance(error.get(k), str) for k in ("type", "message")):
         raise WireFormatError("a failed response needs 'error': {'type': str, 'message': str}")
-    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings), nonce)
+    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings), proof)
 
 
-#: Bounds of a nonce (a producer's random bytes, echoed by the worker).
+#: Bounds of a nonce (a producer's random bytes, which the worker's proof is made from).
 NONCE_BYTES = (8, 64)
 
 

@@ -64,7 +64,7 @@ class Request:
 
     @property
     def nonce(self) -> bytes | None:
-        """The producer's ``options.nonce``, which the worker echoes in its response."""
+        """The producer's ``options.nonce``, from which the worker makes its response's proof."""
         nonce = self.options.get("nonce")
         return nonce if isinstance(nonce, bytes) else None
 
@@ -76,8 +76,9 @@ class Response:
     outputs: dict[str, NDArray[Any]]
     error: RemoteError | None
     timings: dict[str, float]
-    #: The request's nonce, echoed by the worker (None when the request had none or was unreadable).
-    nonce: bytes | None = None
+    #: ``wire.proof_of(model, the request's nonce)``: None when the request had no nonce, or the
+    #: worker failed the job without reading it.
+    proof: bytes | None = None
 
     @property
     def ok(self) -> bool:

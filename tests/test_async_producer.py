@@ -191,7 +191,7 @@ def test_cancel_and_status(redis_url: str, model_name: str, connection: redis.Re
             assert await job.status() == "queued"
             assert await job.cancel()
             assert await job.status() == "canceled"
-            assert not connection.exists(keys.request_key(job.id))
+            assert not connection.exists(keys.request_key(job.model, job.id))
             assert connection.llen(keys.queue_key(model_name)) == 0
             assert not await job.cancel()  # off the queue already
             with pytest.raises(JobNotFound):
@@ -227,25 +227,25 @@ def test_unknown_models_and_bad_inputs_are_refused_before_anything_is_enqueued(
 
 
 def test_forged_and_corrupt_replies_are_refused(redis_url: str, model_name: str, connection: redis.Redis) -> None:
-    """A reply that does not carry the request's nonce is ResponseMismatch; a reply key that is no
+    """A reply that does not carry the request's proof is ResponseMismatch; a reply key that is no
     stream fails that job alone (CorruptRecord) while the others are still waited for."""
 
-    def forge_reply(job_id: str, nonce: bytes | None) -> None:
-        frame = wire.encode_response({"y": np.zeros((1, 4), np.float32)}, nonce=nonce)
-        connection.xadd(keys.reply_key(job_id), {"frame": frame})
+    def forge_reply(job_id: str, proof: bytes | None) -> None:
+        frame = wire.encode_response({"y": np.zeros((1, 4), np.float32)}, proof=proof)
+        connection.xadd(keys.reply_key(model_name, job_id), {"frame": frame})
 
     async def main() -> None:
         async with producer_for(redis_url, allow_unknown_models=True) as producer:
             x = {"x": np.ones((1, 4), np.float32)}
             forged, corrupt, fine = await producer.submit_many(model_name, [x, x, x])
-            forge_reply(forged.id, b"\x00" * 16)
+            forge_reply(forged.id, wire.proof_of(model_name, b"\x00" * 16))
             with pytest.raises(ResponseMismatch, match=forged.id):
                 await forged.result(timeout=5)
-            connection.set(keys.reply_key(corrupt.id), b"not a stream")
+            connection.set(keys.reply_key(model_name, corrupt.id), b"not a stream")
             waiting = asyncio.create_task(fine.result(timeout=10))
             with pytest.raises(CorruptRecord, match=f"reply key of job {corrupt.id}"):
                 await corrupt.result(timeout=5)
-            forge_reply(fine.id, fine.nonce)  # as a worker would answer it
+            forge_reply(fine.id, fine.proof)  # as a worker would answer it
             assert (await waiting)["y"].shape == (1, 4)
 
     run(main())

@@ -43,7 +43,8 @@ def alone(frame: bytes | bytearray) -> tuple[Any, ...]:
     try:
         request = wire.decode_request(frame, max_bytes=SETTINGS.max_frame_bytes)
         SIGNATURE.check_inputs(request.inputs)
-        return "ok", jobs.rows_of(request.inputs), request.inputs, request.nonce
+        proof = None if request.nonce is None else wire.proof_of("m", request.nonce)
+        return "ok", jobs.rows_of(request.inputs), request.inputs, proof
     except Exception as exc:
         return "failed", f"{type(exc).__name__}: {str(exc) or type(exc).__name__}"
 
@@ -70,9 +71,9 @@ def test_a_batch_decides_for_each_job_what_its_frame_alone_decides(data: st.Data
     knownheaders.KNOWN.clear()
     for kind in data.draw(st.lists(st.integers(0, len(KINDS) - 1), max_size=3)):  # headers seen before
         wire.decode_request(producer_frame(kind, 99))
-    pending, failures = jobs.check_all(taken, SIGNATURE, SETTINGS, True, 0.0)
+    pending, failures = jobs.check_all(taken, "m", SIGNATURE, SETTINGS, True, 0.0)
 
-    decided: dict[str, tuple[Any, ...]] = {p.started.job_id: ("ok", p.rows, p.tensors(), p.nonce) for p in pending}
+    decided: dict[str, tuple[Any, ...]] = {p.started.job_id: ("ok", p.rows, p.tensors(), p.proof) for p in pending}
     decided.update((f.started.job_id, ("failed", f.reason)) for f in failures)
     for item in taken:
         got, expected = decided[item.started.job_id], alone(item.frame)  # type: ignore[arg-type]

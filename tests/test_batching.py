@@ -77,7 +77,8 @@ def test_a_lone_job_waits_about_max_wait(
     producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
 ) -> None:
     workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "8", "--rows-independent", "--max-wait-ms", "300")
-    response = producer.wait_response(producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}).id, 30)
+    job = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
+    response = producer.wait_response(job.id, model_name, 30, job.proof)
     assert response.ok
     # The worker's own account of how long it held the job open for company.
     assert 0.25 <= response.timings["batch_wait"] <= 0.6, response.timings

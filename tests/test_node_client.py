@@ -1,10 +1,12 @@
 """The Node.js client of clients/node (written from docs/wire-format.md alone) against real workers.
 
 Its outputs must be bit-exact with a direct ``onnxruntime`` run of the same model; a worker's
-error must reach it typed; high priority must work by FCALL and by the EVAL fallback; and a
-reply that does not carry its request's nonce must be refused. Needs ``node`` and ``npm``
-(Node 20+); the client's dependencies are installed once with ``npm ci`` into
-clients/node/node_modules (gitignored) and reused while package-lock.json is unchanged.
+error must reach it typed; high priority must work by FCALL and by the EVAL fallback; a reply
+that does not carry its request's proof (protocol 3: SHA-256 of the model, a newline and the
+request's nonce) must be refused, but for the errors a worker gives without having read the
+request; and workers of another protocol must be refused before anything is enqueued. Needs
+``node`` and ``npm`` (Node 20+); the client's dependencies are installed once with ``npm ci``
+into clients/node/node_modules (gitignored) and reused while package-lock.json is unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import onnxruntime as ort
 import pytest
 import redis
 
+from ortq import wire
 from ortq.localredis import LocalRedis
 from ortq.producer import priority
 from tests.conftest import REPO, WorkerProcesses
@@ -162,20 +166,85 @@ def test_errors(node_client: Path, workers: WorkerProcesses, redis_url: str, mod
     # A job id outside the rule is refused before anything is sent (exit 2).
     refused = cli("submit", redis_url, model_name, "--job-id", "no.dots", stdin=as_json({"x": x}), expect=2)
     assert refused["error"]["type"] == "ConfigurationError"
-    assert not redis.Redis.from_url(redis_url).exists("rq:job:no.dots", "ortq:req:no.dots")
-    # A reply read with another nonce than its request's is refused (exit 1).
+    r = redis.Redis.from_url(redis_url)
+    assert not r.exists("rq:job:no.dots", f"ortq:req:{model_name}:no.dots")
+    # A reply read with another nonce than its request's does not carry the proof made from it:
+    # refused (exit 1).
     submitted = cli("submit", redis_url, model_name, stdin=as_json({"x": x}))
-    mismatch = cli("result", redis_url, submitted["job"], "--nonce", "00" * 16, expect=1)
-    assert mismatch["error"]["type"] == "ResponseMismatch"
-    answer = cli("result", redis_url, submitted["job"], "--nonce", submitted["nonce"])
+    assert submitted["model"] == model_name
+    job, nonce = submitted["job"], submitted["nonce"]
+    mismatch = cli("result", redis_url, job, "--model", model_name, "--nonce", "00" * 16, expect=1)
+    assert mismatch["error"]["type"] == "ResponseMismatch" and mismatch["job"] == job
+    answer = cli("result", redis_url, job, "--model", model_name, "--nonce", nonce)
     assert_bit_exact(answer["outputs"], {"y": x * 2 + 1})
+    # The same reply under another model's key (as if a worker of that model had run the job): the
+    # proof binds the model too, so the right nonce does not make it an answer.
+    assert r.copy(f"ortq:reply:{model_name}:{job}", f"ortq:reply:{model_name}-other:{job}")
+    other = cli("result", redis_url, job, "--model", f"{model_name}-other", "--nonce", nonce, expect=1)
+    assert other["error"]["type"] == "ResponseMismatch"
+    # result needs the model of a job it did not submit (exit 2).
+    refused = cli("result", redis_url, job, expect=2)
+    assert refused["error"]["type"] == "ConfigurationError"
     # No worker has served this model: refused (exit 2), or, enqueued anyway, the wait runs out (exit 1).
     unknown = cli("infer", redis_url, f"{model_name}-none", stdin=as_json({"x": x}), expect=2)
     assert unknown["error"]["type"] == "UnknownModel"
     args = ("--allow-unknown-model", "--timeout-ms", "300")
     late = cli("infer", redis_url, f"{model_name}-none", *args, stdin=as_json({"x": x}), expect=1)
     assert late["error"]["type"] == "ResultTimeout"
-    assert redis.Redis.from_url(redis_url).hget(f"rq:job:{late['job']}", "status") == b"canceled"
+    assert r.hget(f"rq:job:{late['job']}", "status") == b"canceled"
+    assert not r.exists(f"ortq:req:{model_name}-none:{late['job']}")
+
+
+def test_proof_rule(node_client: Path, redis_url: str, model_name: str) -> None:
+    """Replies written here by hand to jobs no worker serves: the client takes a reply that carries
+    its request's proof, or one without a proof that is an error a worker gives without having read
+    the request; it refuses every other (ResponseMismatch, exit 1)."""
+    r = redis.Redis.from_url(redis_url)
+    y = {"y": np.full((1, 4), 3, dtype=np.float32)}
+
+    def answer_with(reply: Callable[[bytes], bytes], *, check: bool = True, expect: int = 0) -> dict[str, Any]:
+        """Submit a job, write reply(the job's own proof) as its reply and read it back."""
+        submitted = cli("submit", redis_url, model_name, "--allow-unknown-model", stdin=as_json({"x": y["y"]}))
+        job, nonce = submitted["job"], submitted["nonce"]
+        r.xadd(f"ortq:reply:{model_name}:{job}", {"frame": reply(wire.proof_of(model_name, bytes.fromhex(nonce)))})
+        checked = ("--nonce", nonce) if check else ()
+        return cli("result", redis_url, job, "--model", model_name, *checked, "--timeout-ms", "5000", expect=expect)
+
+    assert_bit_exact(answer_with(lambda proof: wire.encode_response(y, proof=proof))["outputs"], y)
+    failed = answer_with(lambda proof: wire.encode_error("InvalidInput", "no", proof=proof), expect=3)
+    assert failed["error"] == {"type": "InvalidInput", "message": "no"}
+    # No proof: the errors of a worker that could not read the request are answers ...
+    expired = answer_with(lambda _: wire.encode_error("RequestExpired", "the request frame is gone"), expect=3)
+    assert expired["error"]["type"] == "RequestExpired"
+    # ... outputs or any other error are not.
+    for frame in [wire.encode_response(y), wire.encode_error("InvalidInput", "no")]:
+        assert answer_with(lambda _, f=frame: f, expect=1)["error"]["type"] == "ResponseMismatch"
+    # Another request's or model's proof is refused; a reply read unchecked (no nonce) is taken.
+    others = wire.encode_response(y, proof=wire.proof_of(f"{model_name}-other", b"\0" * 16))
+    assert answer_with(lambda _: others, expect=1)["error"]["type"] == "ResponseMismatch"
+    assert_bit_exact(answer_with(lambda _: others, check=False)["outputs"], y)
+
+
+def test_protocol_mismatch(node_client: Path, redis_url: str, model_name: str) -> None:
+    """A signature record of workers that speak another protocol (protocol 2's records say none):
+    the client enqueues nothing (ProtocolMismatch, exit 2); a protocol 3 record is fine."""
+    r = redis.Redis.from_url(redis_url)
+    spec = [{"name": "x", "dtype": "float32", "shape": [None, 4]}]
+    record: dict[str, Any] = {"model": model_name, "inputs": spec, "outputs": [{**spec[0], "name": "y"}]}
+    x = np.ones((1, 4), dtype=np.float32)
+    for protocol in [2, None, 4]:
+        written = record if protocol is None else {**record, "protocol": protocol}
+        r.set(f"ortq:signature:{model_name}", json.dumps(written))
+        for command, stdin in [("submit", as_json({"x": x})), ("many", [as_json({"x": x})] * 2)]:
+            refused = cli(command, redis_url, model_name, stdin=stdin, expect=2)
+            assert refused["error"]["type"] == "ProtocolMismatch", refused
+            assert f"protocol {protocol or 2} and this client 3" in refused["error"]["message"]
+    assert not r.exists(f"rq:queue:ortq:{model_name}")
+    assert list(r.scan_iter(f"ortq:req:{model_name}:*")) == []
+    r.set(f"ortq:signature:{model_name}", json.dumps({**record, "protocol": 3}))
+    job = cli("submit", redis_url, model_name, stdin=as_json({"x": x}))["job"]
+    assert r.lrange(f"rq:queue:ortq:{model_name}", 0, -1) == [job.encode()]
+    assert r.exists(f"ortq:req:{model_name}:{job}", f"rq:job:{job}") == 2
 
 
 def test_high_priority(
@@ -209,7 +278,7 @@ def test_high_priority(
 
     workers.serve(tiny_path, model_name, redis_url)
     for job, offset in [(high1, 10), (high2, 20), (normal[0], 0), (normal[1], 1)]:
-        answer = cli("result", redis_url, job["job"], "--nonce", job["nonce"])
+        answer = cli("result", redis_url, job["job"], "--model", model_name, "--nonce", job["nonce"])
         assert_bit_exact(answer["outputs"], {"y": (x + offset) * 2 + 1})
 
 
@@ -225,7 +294,7 @@ def test_high_priority_without_fcall(node_client: Path) -> None:
         normal = cli("submit", server.url, "m", *EARLY, stdin=as_json(x))
         high = cli("submit", server.url, "m", *EARLY, "--priority", "high", stdin=as_json(x))
         assert [i.decode() for i in r.lrange("rq:queue:ortq:m", 0, -1)] == [high["job"], normal["job"]]
-        assert r.exists(f"ortq:req:{high['job']}", f"rq:job:{high['job']}") == 2
+        assert r.exists(f"ortq:req:m:{high['job']}", f"rq:job:{high['job']}") == 2
         assert r.get("ortq:last-high:m") == high["job"].encode()
         assert r.info("commandstats")["cmdstat_eval"]["calls"] == 1
 

@@ -9,6 +9,7 @@ worker runs, and to check that the doc's EVAL script is ortq's.)
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import struct
@@ -99,7 +100,7 @@ def enqueue_by_hand(
     queue, last_high = f"rq:queue:ortq:{model}", f"ortq:last-high:{model}"
     flat = [item for pair in job_fields(model, **fields).items() for item in pair]
     r.execute_command("MULTI")
-    r.execute_command("SET", f"ortq:req:{job_id}", frame, "EX", WAIT)
+    r.execute_command("SET", f"ortq:req:{model}:{job_id}", frame, "EX", WAIT)
     r.execute_command("HSET", f"rq:job:{job_id}", *flat)
     r.execute_command("EXPIRE", f"rq:job:{job_id}", WAIT + FAILURE_TTL)
     r.execute_command("SADD", "rq:queues", queue)
@@ -122,8 +123,8 @@ def raw_client(url: str) -> redis.Redis:
     return client
 
 
-def wait_reply(r: redis.Redis, job_id: str) -> bytes:
-    key = f"ortq:reply:{job_id}"
+def wait_reply(r: redis.Redis, model: str, job_id: str) -> bytes:
+    key = f"ortq:reply:{model}:{job_id}"
     for _ in range(20):  # 20 x 1 s blocks, each under the client's socket timeout
         reply = r.execute_command("XREAD", "BLOCK", 1000, "STREAMS", key, "0-0")
         if reply:
@@ -154,29 +155,36 @@ def test_raw_enqueue_and_read(workers: WorkerProcesses, redis_url: str, model_na
     job_id = enqueue_by_hand(r, model_name, request_frame("x", x, nonce=b"0123456789abcdef"))
     # Until a worker starts it, the job hash expires (section 3.2), as does the request frame.
     assert 0 < r.execute_command("TTL", f"rq:job:{job_id}") <= WAIT + FAILURE_TTL
-    assert 0 < r.execute_command("TTL", f"ortq:req:{job_id}") <= WAIT
+    assert 0 < r.execute_command("TTL", f"ortq:req:{model_name}:{job_id}") <= WAIT
 
     workers.serve(tiny_path, model_name, redis_url)
     signature = json.loads(r.execute_command("GET", f"ortq:signature:{model_name}"))
     assert signature["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]
-    response = parse_response(wait_reply(r, job_id))
-    assert response["ok"] is True and response["nonce"] == b"0123456789abcdef"
+    assert signature["protocol"] == 3
+    response = parse_response(wait_reply(r, model_name, job_id))
+    # Section 4.3: the proof is SHA-256 of the model's name, a newline and the request's nonce; the
+    # nonce itself is never echoed.
+    assert response["ok"] is True and "nonce" not in response
+    assert response["proof"] == hashlib.sha256(model_name.encode() + b"\n0123456789abcdef").digest()
     assert set(response["timings"]) == {"queue", "decode", "run"}
     np.testing.assert_array_equal(response["outputs"]["y"], x * 2 + 1)
     # The response stays readable, the job's status is already final, the frame is gone.
-    assert r.execute_command("XLEN", f"ortq:reply:{job_id}") == 1
+    assert r.execute_command("XLEN", f"ortq:reply:{model_name}:{job_id}") == 1
     assert r.execute_command("HGET", f"rq:job:{job_id}", "status") == b"finished"
-    assert r.execute_command("EXISTS", f"ortq:req:{job_id}") == 0
-    assert 0 < r.execute_command("TTL", f"ortq:reply:{job_id}") <= 600
+    assert r.execute_command("EXISTS", f"ortq:req:{model_name}:{job_id}") == 0
+    assert 0 < r.execute_command("TTL", f"ortq:reply:{model_name}:{job_id}") <= 600
     result = latest_result(r, job_id)
     assert result[b"type"] == b"1"
     summary = msgpack.unpackb(base64.b64decode(result[b"return_value"]))
-    assert summary["reply_key"] == f"ortq:reply:{job_id}"
+    assert summary["reply_key"] == f"ortq:reply:{model_name}:{job_id}"
     assert summary["outputs"] == {"y": ["float32", [2, 4]]} and summary["batch_size"] == 1
 
     bad = enqueue_by_hand(r, model_name, request_frame("not_x", x, nonce=b"fedcba9876543210"))
-    failure = parse_response(wait_reply(r, bad))
-    assert failure["ok"] is False and failure["nonce"] == b"fedcba9876543210"
+    failure = parse_response(wait_reply(r, model_name, bad))
+    assert (
+        failure["ok"] is False
+        and failure["proof"] == hashlib.sha256(model_name.encode() + b"\nfedcba9876543210").digest()
+    )
     assert failure["error"]["type"] == "InvalidInput"
     assert "not_x" in failure["error"]["message"]
     assert r.execute_command("HGET", f"rq:job:{bad}", "status") == b"failed"
@@ -203,7 +211,7 @@ def test_raw_priority_and_cancel(workers: WorkerProcesses, redis_url: str, model
     canceled = normal.pop()
     assert r.execute_command("LREM", queue, 0, canceled) == 1
     r.execute_command("MULTI")
-    r.execute_command("DEL", f"ortq:req:{canceled}")
+    r.execute_command("DEL", f"ortq:req:{model_name}:{canceled}")
     r.execute_command("HSET", f"rq:job:{canceled}", "status", "canceled")
     r.execute_command("ZADD", f"rq:canceled:ortq:{model_name}", int(datetime.now(UTC).timestamp()), canceled)
     r.execute_command("EXEC")
@@ -211,9 +219,9 @@ def test_raw_priority_and_cancel(workers: WorkerProcesses, redis_url: str, model
 
     workers.serve(tiny_path, model_name, redis_url)
     for job_id in [high1, high2, *normal]:
-        response = parse_response(wait_reply(r, job_id))
+        response = parse_response(wait_reply(r, model_name, job_id))
         np.testing.assert_array_equal(response["outputs"]["y"], x * 2 + 1)
-    assert r.execute_command("EXISTS", f"ortq:reply:{canceled}") == 0
+    assert r.execute_command("EXISTS", f"ortq:reply:{model_name}:{canceled}") == 0
     assert r.execute_command("HGET", f"rq:job:{canceled}", "status") == b"canceled"
 
 
@@ -232,24 +240,27 @@ def test_raw_lenient_fields_and_bad_ids(
     lenient = enqueue_by_hand(
         r, model_name, request_frame("x", x), result_ttl=None, failure_ttl=None, created_at=iso, enqueued_at=iso
     )
-    response = parse_response(wait_reply(r, lenient))
+    response = parse_response(wait_reply(r, model_name, lenient))
     assert response["ok"] is True and "queue" in response["timings"]
-    assert 0 < r.execute_command("TTL", f"ortq:reply:{lenient}") <= 600
+    assert 0 < r.execute_command("TTL", f"ortq:reply:{model_name}:{lenient}") <= 600
     # An unreadable enqueued_at is no error: no queue timing, and the job still runs.
     odd = enqueue_by_hand(r, model_name, request_frame("x", x), enqueued_at="1714564800", ttl=5)
-    response = parse_response(wait_reply(r, odd))
+    response = parse_response(wait_reply(r, model_name, odd))
     assert response["ok"] is True and "queue" not in response["timings"]
 
-    # A printable id outside the rule is answered InvalidJob; its record is failed and expires.
-    bad_id = f"{model_name}.bad"
-    enqueue_by_hand(r, model_name, request_frame("x", x), job_id=bad_id)
-    failure = parse_response(wait_reply(r, bad_id))
-    assert failure["ok"] is False and failure["error"]["type"] == "InvalidJob" and "nonce" not in failure
-    assert r.execute_command("HGET", f"rq:job:{bad_id}", "status") == b"failed"
-    assert r.execute_command("TTL", f"rq:job:{bad_id}") > 0
-    # One that is not printable is dropped (and logged); the worker goes on serving.
-    unprintable = f"{model_name} bad"
-    enqueue_by_hand(r, model_name, request_frame("x", x), job_id=unprintable)
+    # An id outside the rule is dropped (and logged): nothing is written for it (section 1); the
+    # worker goes on serving.
+    outside = [f"{model_name}.bad", f"{model_name} bad"]
+    for bad_id in outside:
+        enqueue_by_hand(r, model_name, request_frame("x", x), job_id=bad_id)
     after = enqueue_by_hand(r, model_name, request_frame("x", x))
-    assert parse_response(wait_reply(r, after))["ok"] is True
-    assert r.execute_command("EXISTS", f"ortq:reply:{unprintable}") == 0
+    assert parse_response(wait_reply(r, model_name, after))["ok"] is True
+    for bad_id in outside:
+        assert r.execute_command("EXISTS", f"ortq:reply:{model_name}:{bad_id}") == 0
+        assert r.execute_command("HGET", f"rq:job:{bad_id}", "status") == b"queued"
+    # A job whose record's origin is another queue is not run (section 3.3): it stays as it was.
+    elsewhere = enqueue_by_hand(r, model_name, request_frame("x", x), origin="ortq:another-model")
+    after = enqueue_by_hand(r, model_name, request_frame("x", x))
+    assert parse_response(wait_reply(r, model_name, after))["ok"] is True
+    assert r.execute_command("EXISTS", f"ortq:reply:{model_name}:{elsewhere}") == 0
+    assert r.execute_command("HGET", f"rq:job:{elsewhere}", "status") == b"queued"

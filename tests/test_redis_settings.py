@@ -43,7 +43,7 @@ def test_a_reply_stream_takes_a_quarter_of_the_memory_with_the_setting(tiny_path
                     x = np.arange(4, dtype=np.float32).reshape(1, 4) * node_bytes
                     job = producer.submit("settings-tiny", {"x": x})
                     np.testing.assert_allclose(job.result(timeout=30)["y"], session.run(None, {"x": x})[0])
-                    sizes.append(admin.memory_usage(keys.reply_key(job.id)))
+                    sizes.append(admin.memory_usage(keys.reply_key(job.model, job.id)))
         finally:
             group.stop_all()
         admin.close()

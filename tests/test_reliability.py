@@ -102,7 +102,7 @@ def test_job_timeout_stops_a_running_session_run(
     assert unstopped > 1.5  # the model really outlasts the timeout
     started = time.perf_counter()
     job = producer.submit(model_name, x, job_timeout=1)
-    response = producer.wait_response(job.id, 60)
+    response = producer.wait_response(job.id, job.model, 60, job.proof)
     # Stopped near the timeout, not when the run would have ended by itself.
     assert time.perf_counter() - started < unstopped
     assert response.error is not None and response.error.type == "JobTimeout", response
@@ -198,7 +198,7 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
     assert connection.hget(keys.job_key(job.id), "ortq_recoveries") == b"1"
     assert connection.hget(keys.job_key(job.id), "worker_name") != victim
-    assert connection.xlen(keys.reply_key(job.id)) == 1  # answered once
+    assert connection.xlen(keys.reply_key(job.model, job.id)) == 1  # answered once
     assert job.status() == "finished"
 
 

@@ -80,7 +80,7 @@ def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_e
 
     response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(job, response, 60, None)]) == 1
-    assert connection.xrange(keys.reply_key(job_id))[0][1][b"frame"] == response
+    assert connection.xrange(keys.reply_key(model_name, job_id))[0][1][b"frame"] == response
     assert connection.hget(keys.job_key(job_id), "status") == b"finished"
     assert execution_records(connection, job, name) == [0, 0, 0]
     assert connection.zcard(book.queue.started) == 0

@@ -59,7 +59,7 @@ def test_finished_job_reads_back_through_rq(
 
     result = rq_job.latest_result()
     assert result is not None and result.type == Result.Type.SUCCESSFUL
-    assert result.return_value["reply_key"] == keys.reply_key(job.id)
+    assert result.return_value["reply_key"] == keys.reply_key(model_name, job.id)
     assert result.return_value["outputs"] == {"y": ["float32", [1, 4]]}
     assert result.execution_id
 

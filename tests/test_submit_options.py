@@ -105,7 +105,7 @@ def test_fractions_of_seconds_round_up_to_whole_seconds(
     assert fields == [b"3", b"1", b"[1, 2]"]
     half = call("submit", model_name, X, ttl=0.5)  # a raw redis DataError before; now one second
     assert connection.hget(keys.job_key(half), "ttl") == b"1"
-    assert 0 < connection.ttl(keys.request_key(half)) <= 1
+    assert 0 < connection.ttl(keys.request_key(model_name, half)) <= 1
     # A worker runs such a job (a fractional timeout in the hash used to fail every job: InvalidJob).
     workers.serve(tiny_path, model_name, redis_url)
     outputs = using(kind, redis_url)("infer", model_name, X, timeout=30)

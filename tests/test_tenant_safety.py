@@ -5,9 +5,14 @@ as the worker user. Plain TCP here: tests/test_transport_security.py runs the sa
 Cannot (each refused by Redis itself): forge, replace or delete a reply (replies are streams only
 workers write, read with XREAD); run Lua of its own (no EVAL: a busy loop would block the server,
 and SCRIPT KILL cannot stop a script that has written); list queued job ids; push into the
-intermediate lists; with per-model rules, enqueue for, or read anything of, another model.
-Can, knowing a job's id (ids are random and never listed to producers): read its reply, replace
-its queued request frame (its producer then refuses the answer: ResponseMismatch), rewrite or
+intermediate lists; with per-model rules, enqueue for, or read anything of, another model: its
+queue, request frames and replies (keys named by the model) included.
+Cannot, by what the worker does (each attack written out below): make a producer accept outputs not
+computed from its own request by a worker of its model (a replayed job is not run again; a job
+pushed onto another model's queue is not run there; a replaced request is answered with the
+attacker's proof, which its producer refuses); choose the words of an error its victim sees.
+Can, knowing a job's id (ids are random and never listed to producers), within its own models: read
+its reply, replace its queued request frame (its producer then refuses the answer), rewrite or
 delete its queued records (the job then fails, or times out). These are asserted too, so that the
 docs stay honest.
 """
@@ -16,23 +21,27 @@ from __future__ import annotations
 
 import re
 import secrets
-import uuid
+import struct
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import onnxruntime as ort
 import pytest
 import redis
 
 from ortq import keys, wire
-from ortq.errors import ConfigurationError, ResponseMismatch
+from ortq.errors import ConfigurationError, InferenceFailed, ResponseMismatch
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.producer.priority import FUNCTION
+from ortq.rqcompat import layout
 from ortq.settings import Settings
-from tests.conftest import WorkerProcesses
+from tests.conftest import WorkerProcesses, eventually
 from tests.test_transport_security import PRODUCER_RULES, WORKER_RULES
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,9 +51,9 @@ ONE_MODEL_RULES = (
     "resetchannels resetkeys -@all +ping +select +multi +exec +discard +fcall "
     "+type +strlen +set +get +mget +expire +hset +hget +sadd +srandmember +rpush +lpush +linsert +llen +lrem "
     "+xread +zadd "
-    "%W~ortq:req:* ~rq:job:* %W~rq:queues ~rq:queue:ortq:{model} ~ortq:last-high:{model} %R~ortq:reply:* "
-    "%W~rq:canceled:ortq:{model} %R~ortq:signature:{model} %R~ortq:workers %R~ortq:worker:* "
-    "(+del %W~ortq:req:* %W~rq:job:*)"
+    "%W~ortq:req:{model}:* ~rq:job:* %W~rq:queues ~rq:queue:ortq:{model} ~ortq:last-high:{model} "
+    "%R~ortq:reply:{model}:* %W~rq:canceled:ortq:{model} %R~ortq:signature:{model} %R~ortq:workers %R~ortq:worker:* "
+    "(+del %W~ortq:req:{model}:* %W~rq:job:*)"
 )
 MODEL, OTHER = "tenant-a", "tenant-b"
 X = {"x": np.array([[1, 2, 3, 4]], np.float32)}
@@ -115,7 +124,7 @@ def test_a_producer_can_neither_forge_nor_delete_a_reply_nor_run_lua(tenants: Te
         job = victim_side.submit(MODEL, X)
         job.result(timeout=30)
     attacker = redis.Redis.from_url(tenants.url("producer"))
-    reply = keys.reply_key(job.id)
+    reply = keys.reply_key(MODEL, job.id)
     forged = wire.encode_response({"y": np.zeros((1, 4), np.float32)})
     refused = {
         "append a forged reply": ("XADD", reply, "*", "frame", forged),
@@ -131,7 +140,7 @@ def test_a_producer_can_neither_forge_nor_delete_a_reply_nor_run_lua(tenants: Te
         "list a queue's job ids": ("LRANGE", keys.queue_key(MODEL), "0", "-1"),
         "read a queued job id": ("LINDEX", keys.queue_key(MODEL), "0"),
         "list keys": ("SCAN", "0"),
-        "read a request frame": ("GET", keys.request_key(job.id)),
+        "read a request frame": ("GET", keys.request_key(MODEL, job.id)),
     }
     for what, command in refused.items():
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -162,6 +171,9 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
         "count its queue": ("LLEN", keys.queue_key(MODEL)),
         "cancel its jobs": ("LREM", keys.queue_key(MODEL), "0", "x"),
         "push into an intermediate list, even its own model's": ("RPUSH", keys.queue_key(OTHER) + ":intermediate", "x"),
+        "write a request frame of the other model's": ("SET", keys.request_key(MODEL, "x"), "frame"),
+        "delete one": ("DEL", keys.request_key(MODEL, "x")),
+        "read a reply of the other model's": ("XREAD", "STREAMS", keys.reply_key(MODEL, "x"), "0-0"),
     }
     for what, command in refused.items():
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -172,34 +184,115 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
         producer.submit(MODEL, X)
 
 
+@contextmanager
+def held_in_the_queue(tenants: Tenants) -> Iterator[None]:
+    """Workers take no job meanwhile (RQ's suspension, which they check before each take at most
+    once a second, a take blocking at most a second): a job submitted inside waits in its queue."""
+    suspended = layout.suspended_key()
+    tenants.admin.set(suspended, 1)
+    time.sleep(2.5)
+    try:
+        yield
+    finally:
+        tenants.admin.delete(suspended)
+
+
 def test_a_replaced_request_frame_is_refused_by_its_producer(tenants: Tenants) -> None:
-    """The one thing a producer who learns a queued job's id can do to its outputs: replace its
-    request frame. The worker echoes the replaced frame's nonce, not the victim's: the victim gets
-    ResponseMismatch, never outputs computed from someone else's inputs."""
-    model = f"tenant-idle-{uuid.uuid4().hex[:6]}"  # no worker: the job waits while it is replaced
-    with tenants.producer("producer") as victim:
-        tenants.admin.set(keys.signature_key(model), tenants.admin.get(keys.signature_key(MODEL)) or b"")
-        job = victim.submit(model, X)
-        attacker = redis.Redis.from_url(tenants.url("producer"))
+    """A producer who learns a queued job's id can replace its request frame. The worker answers
+    with the proof of the frame it read (the attacker's nonce, which is not the victim's): the
+    victim gets ResponseMismatch, never outputs computed from someone else's inputs."""
+    with tenants.producer("producer-a") as victim, held_in_the_queue(tenants):
+        job = victim.submit(MODEL, X)
+        attacker = redis.Redis.from_url(tenants.url("producer-a"))  # a tenant of the same model
         other = wire.encode_request({"x": np.full((1, 4), 7, np.float32)}, {"nonce": secrets.token_bytes(16)})
-        attacker.set(keys.request_key(job.id), other, ex=600)  # allowed: %W~ortq:req:*
+        attacker.set(keys.request_key(MODEL, job.id), other, ex=600)  # allowed: %W~ortq:req:<model>:*
         attacker.close()
-        # A worker of that model now takes it (the admin moves it to a served model's queue).
-        tenants.admin.lrem(keys.queue_key(model), 0, job.id)
-        tenants.admin.rpush(keys.queue_key(MODEL), job.id)
-        with pytest.raises(ResponseMismatch):
-            job.result(timeout=30)
+    with tenants.producer("producer-a") as victim, pytest.raises(ResponseMismatch):
+        victim.wait_response(job.id, MODEL, 30, job.proof)
 
 
-def test_what_a_producer_knowing_an_id_can_still_do(tenants: Tenants) -> None:
-    """Documented in docs/security.md: reading a reply it knows the id of."""
+def test_a_replayed_job_is_not_run_again(tenants: Tenants) -> None:
+    """Replay (issue 25, 3a): an attacker who knows an answered job's id reads its reply (no nonce
+    there any more: only the proof), sets the job back to queued, writes a request of its own and
+    pushes the id again. The worker runs no job whose reply exists: the reply stays the victim's."""
     with tenants.producer("producer-a") as victim:
         job = victim.submit(MODEL, X)
         outputs = job.result(timeout=30)
-    snooper = redis.Redis.from_url(tenants.url("producer-b"))  # even a producer of another model
-    [(_, [(_, fields)])] = snooper.xread({keys.reply_key(job.id): "0-0"})
+        attacker = redis.Redis.from_url(tenants.url("producer-a"))
+        [(_, [(_, fields)])] = attacker.xread({keys.reply_key(MODEL, job.id): "0-0"})
+        read = wire.decode_response(fields[b"frame"])
+        assert read.proof == job.proof and b"nonce" not in fields[b"frame"]  # nothing to replay with
+        forged = {"x": np.full((1, 4), 7, np.float32)}
+        attacker.hset(keys.job_key(job.id), mapping={"status": "queued"})
+        attacker.set(keys.request_key(MODEL, job.id), wire.encode_request(forged, {"nonce": job.proof[:16]}), ex=600)
+        attacker.rpush(keys.queue_key(MODEL), job.id)
+        eventually(lambda: tenants.admin.llen(keys.queue_key(MODEL)) == 0)
+        victim.infer(MODEL, X, timeout=30)  # taken after the replayed entry: that one has been dealt with
+        assert tenants.admin.xlen(layout.results_key(job.id)) == 1  # run once
+        np.testing.assert_array_equal(job.result(timeout=5)["y"], outputs["y"])
+        attacker.close()
+
+
+def test_a_job_pushed_onto_another_models_queue_is_not_run_there(tenants: Tenants) -> None:
+    """Cross-model (issue 25, 3b): producer-b pushes a job of model a onto b's own queue, as is
+    own record and all, or with its record's origin rewritten to b's queue. b's worker runs neither
+    on model a's request: the first is skipped (its record names a's queue), the second reads no
+    request (b's worker reads b's keys only) and fails there without touching a's request or reply.
+    The job of model a is then answered by a's worker, with outputs of its own inputs."""
+    x = {"x": np.full((1, 4), 3, np.float32)}
+    with tenants.producer("producer-a") as victim:
+        with held_in_the_queue(tenants):
+            job = victim.submit(MODEL, x)
+            b_side = redis.Redis.from_url(tenants.url("producer-b"))
+            b_side.rpush(keys.queue_key(OTHER), job.id)  # allowed: its own queue
+        eventually(lambda: tenants.admin.llen(keys.queue_key(OTHER)) == 0)
+        np.testing.assert_array_equal(job.result(timeout=30)["y"], tenants.session.run(None, x)[0])
+        assert not tenants.admin.exists(keys.reply_key(OTHER, job.id))
+        with held_in_the_queue(tenants):
+            second = victim.submit(MODEL, x)
+            b_side.hset(keys.job_key(second.id), "origin", keys.queue_name(OTHER))  # allowed: ~rq:job:*
+            b_side.rpush(keys.queue_key(OTHER), second.id)
+        eventually(lambda: tenants.admin.exists(keys.reply_key(OTHER, second.id)) == 1)  # b's worker failed it
+        assert not tenants.admin.exists(keys.reply_key(MODEL, second.id))  # a's reply untouched
+        assert tenants.admin.exists(keys.request_key(MODEL, second.id))  # a's request never read
+        b_side.close()
+
+
+def test_an_attacker_cannot_choose_the_words_of_a_victims_error(tenants: Tenants) -> None:
+    """Errors (issue 25, 3c): what an attacker can write into a victim's job (a request frame that
+    does not decode, a job record naming another function) fails the job, but the error its
+    producer accepts is in the worker's own words, not the attacker's: an error written without
+    reading the request carries fixed words; one written after reading it carries its proof."""
+    words = "CALL-555-0100-TO-RESTORE-YOUR-ACCOUNT"
+    with tenants.producer("producer-a") as victim:
+        with held_in_the_queue(tenants):
+            garbled, renamed = victim.submit_many(MODEL, [X, X])
+            attacker = redis.Redis.from_url(tenants.url("producer-a"))
+            header = msgpack.packb({"v": 1, "kind": "request", "inputs": {words: "x"}})
+            attacker.set(keys.request_key(MODEL, garbled.id), wire.MAGIC + struct.pack("<I", len(header)) + header)
+            forged_data = msgpack.packb([words, None, [MODEL], {}])
+            attacker.hset(keys.job_key(renamed.id), "data", forged_data)
+            attacker.close()
+        for job, error_type in ((garbled, "WireFormatError"), (renamed, "UnknownJobFunction")):
+            with pytest.raises(InferenceFailed) as failed:
+                job.result(timeout=30)
+            assert failed.value.remote_type == error_type and words not in str(failed.value), failed.value
+
+
+def test_what_a_producer_knowing_an_id_can_still_do(tenants: Tenants) -> None:
+    """Documented in docs/security.md: reading a reply it knows the id of, within the models its
+    rule names (the all-models rule: any); not another model's under a per-model rule."""
+    with tenants.producer("producer-a") as victim:
+        job = victim.submit(MODEL, X)
+        outputs = job.result(timeout=30)
+    snooper = redis.Redis.from_url(tenants.url("producer"))  # the all-models rule
+    [(_, [(_, fields)])] = snooper.xread({keys.reply_key(MODEL, job.id): "0-0"})
     np.testing.assert_array_equal(wire.decode_response(fields[b"frame"]).outputs["y"], outputs["y"])
     snooper.close()
+    other_tenant = redis.Redis.from_url(tenants.url("producer-b"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        other_tenant.xread({keys.reply_key(MODEL, job.id): "0-0"})
+    other_tenant.close()
 
 
 def test_the_documented_per_model_rule_is_the_tested_one() -> None:

@@ -38,6 +38,8 @@ from ortq.errors import BrokerUnavailable, ConfigurationError, InferenceFailed
 from ortq.localredis import find_redis_server, free_port
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, job_hash
+from ortq.rqcompat.book import Book
+from ortq.rqcompat.layout import QueueKeys
 from ortq.settings import Settings, redacted_url
 from ortq.wire import encode_request
 from tests import onnx_models
@@ -272,7 +274,7 @@ def test_jobs_run_end_to_end_over_tls_as_the_producer_and_worker_users(
     idle = nobody_yet.submit("tls-nobody", {"idx": idxs[0]})
     assert idle.cancel()
     assert idle.status() == "canceled"
-    assert not tls_redis.admin.exists(keys.request_key(idle.id))
+    assert not tls_redis.admin.exists(keys.request_key("tls-nobody", idle.id))
     assert tls_redis.denied() <= WORKER_DENIED
 
 
@@ -292,7 +294,7 @@ def test_jobs_left_by_a_dead_worker_or_a_lost_reply_are_taken_back_under_the_wor
     )
     with tls_redis.admin.pipeline() as pipe:
         for job_id, status in ((abandoned, "started"), (stuck, "queued")):
-            pipe.set(keys.request_key(job_id), encode_request({"idx": idx}), ex=600)
+            pipe.set(keys.request_key(served, job_id), encode_request({"idx": idx}), ex=600)
             pipe.hset(keys.job_key(job_id), mapping={**fields, "status": status})
         pipe.hset(f"rq:execution:{abandoned}:{execution}", mapping={"id": execution, "worker_name": "ghost"})
         pipe.zadd(f"rq:wip:{queue}", {f"{abandoned}:{execution}": time.time() + 600})
@@ -305,12 +307,37 @@ def test_jobs_left_by_a_dead_worker_or_a_lost_reply_are_taken_back_under_the_wor
     assert tls_redis.denied() <= WORKER_DENIED
 
 
+def test_every_upkeep_call_runs_under_the_worker_acl(tls_redis: TlsRedis) -> None:
+    """The upkeep a worker runs every second to every minute (most of it never met by the tests
+    above, which end sooner): cleanup of registries with expired entries and wrong-typed keys,
+    the rescue, due retries, the recovery scan with a malformed entry to remove. A command of these
+    outside the worker's rule would end a deployed worker (exit 2) a minute after it started."""
+    tls_redis.reset()
+    queue = keys.queue_name(f"tls-upkeep-{uuid4().hex[:6]}")
+    layout_of = QueueKeys.of(queue)
+    admin = tls_redis.admin
+    admin.zadd(layout_of.canceled, {f"junk-{i}": 1 for i in range(50)})
+    admin.zadd(layout_of.started, {"forged entry": 1})
+    admin.set(layout_of.scheduled, "wrong type")
+    admin.rpush(layout_of.intermediate, "no-such-job")
+    worker_side = redis.Redis.from_url(tls_redis.url("ortq-worker"))
+    book = Book(worker_side, "tls-upkeep-worker", queue)
+    assert book.maintain(limit=20) == ([layout_of.scheduled], True)
+    assert book.maintain(limit=20)[1] and not book.maintain(limit=20)[1]
+    assert admin.zcard(layout_of.canceled) == 0
+    book.rescue(grace=0.0)
+    book.due_retries()
+    assert book.abandoned(15.0, own=False) == [] and admin.zcard(layout_of.started) == 0
+    worker_side.close()
+    assert tls_redis.denied() == set()
+
+
 def test_large_frames_are_read_from_the_tls_socket_as_the_worker_user(tls_redis: TlsRedis) -> None:
     """ortq.worker.largeframes reads the replies off redis-py's socket itself: a TLS one here."""
     from ortq.worker.largeframes import read_large_frames
 
     tls_redis.reset()
-    frames = {keys.request_key(str(uuid4())): secrets.token_bytes(size) for size in (70_000, 602_112, 3)}
+    frames = {keys.request_key("m", str(uuid4())): secrets.token_bytes(size) for size in (70_000, 602_112, 3)}
     for key, frame in frames.items():
         tls_redis.admin.set(key, frame, ex=60)
     worker_side = redis.Redis.from_url(tls_redis.url("ortq-worker"))
@@ -367,7 +394,7 @@ def test_the_producer_user_is_refused_what_only_workers_or_admins_may_do(
     assert {user for user, _, _ in tls_redis.denied()} == {"ortq-producer"}
     # The read-only user reads no tensors and writes nothing; the worker user stays in rq:* and ortq:*.
     monitor = redis.Redis.from_url(tls_redis.url("ortq-monitor"))
-    for command in (("GET", keys.request_key("x")), ("LINDEX", keys.reply_key("x"), "0"),
+    for command in (("GET", keys.request_key("m", "x")), ("LINDEX", keys.reply_key("m", "x"), "0"),
                     ("SREM", keys.WORKERS_SET, worker_name)):  # fmt: skip
         with pytest.raises(redis.exceptions.NoPermissionError):
             monitor.execute_command(*command)

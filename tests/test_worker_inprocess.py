@@ -190,7 +190,7 @@ def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(
     fields = job_fields("m")
     started = [StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), 0) for i in range(2)]
     key = batch_key(X)
-    members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"n" * 16, key) for s in started]
+    members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"p" * 32, key, "m") for s in started]
     good = {"y": np.arange(8, dtype=np.float32).reshape(2, 4)}
     deep = {"y": np.zeros(shape, dtype)}
     answered, failed = (
@@ -224,7 +224,7 @@ def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(set
         for i, f in enumerate(frames)
     ]
     knownheaders.KNOWN.clear()
-    pending, failures = jobs.check_all(taken, signature, settings, True, 0.0)
+    pending, failures = jobs.check_all(taken, "m", signature, settings, True, 0.0)
     assert [p.started.job_id for p in pending] == ["job-0", "job-1", "job-4", "job-5"]
     assert [p.known is not None for p in pending] == [True, True, False, True]
     expected = InvalidInput.__name__, "input 'x' has size 5 on axis 1, the model expects 4 (x: float32[?, 4])"
@@ -244,7 +244,7 @@ def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(set
     known_only = [p for p in pending if p.known is not None]
     np.testing.assert_array_equal(jobs.group_inputs(known_only)["x"], np.concatenate([X["x"], X["x"] * 2, X["x"] * 3]))
     nonces = {t.started.job_id: wire.decode_request(t.frame).nonce for t in taken}  # type: ignore[arg-type]
-    assert [p.nonce for p in pending] == [nonces[p.started.job_id] for p in pending]
+    assert [p.proof for p in pending] == [wire.proof_of("m", nonces[p.started.job_id]) for p in pending]
 
 
 # ------------------------------------------------------------------ the scripts, one by one
@@ -257,7 +257,7 @@ def book(connection: redis.Redis, model_name: str) -> Book:
 
 def push(connection: redis.Redis, model: str, job_id: str) -> None:
     connection.hset(keys.job_key(job_id), mapping=job_fields(model))  # type: ignore[arg-type]
-    connection.set(keys.request_key(job_id), wire.encode_request(X))
+    connection.set(keys.request_key(model, job_id), wire.encode_request(X))
     connection.rpush(keys.queue_key(model), job_id)
 
 
@@ -332,7 +332,7 @@ def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book
     assert outcome == "requeued"
     frame = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(started, frame, 60, b"\x80")]) == 0
-    assert not connection.exists(keys.reply_key(job_id))
+    assert not connection.exists(keys.reply_key(model_name, job_id))
     assert connection.hget(keys.job_key(job_id), "status") == b"queued"
 
 
@@ -361,10 +361,10 @@ def test_large_answers_reach_their_reply_through_a_stage_key_fenced_like_small_o
         [Finished(job, frame, 60, b"\x80") for job, frame in zip(started, [large, large, small, large], strict=True)]
     )
     assert answered == 3
-    assert not connection.exists(keys.reply_key(taken_back.job_id))
+    assert not connection.exists(keys.reply_key(model_name, taken_back.job_id))
     for job, frame in ((answered_large, large), (answered_small, small), (forged, large)):
-        [(_, entry)] = connection.xrange(keys.reply_key(job.job_id))
-        assert entry == {b"frame": frame} and 0 < connection.ttl(keys.reply_key(job.job_id)) <= 60
+        [(_, entry)] = connection.xrange(keys.reply_key(model_name, job.job_id))
+        assert entry == {b"frame": frame} and 0 < connection.ttl(keys.reply_key(model_name, job.job_id)) <= 60
     assert not connection.keys(keys.answer_stage_key("*", "*"))  # renamed, or deleted when not answered
     assert connection.hget(keys.job_key(taken_back.job_id), "status") == b"queued"
     stats = connection.info("commandstats")
@@ -390,8 +390,8 @@ def test_a_stage_deleted_before_the_finish_script_leaves_its_job_to_be_taken_bac
     args = [book.queue.name, book.worker_name, "", 1, "2026-01-01T00:00:00.000000Z", "0", msgpack.packb(packed), b""]
     reply, _ = book._pipelined("finish", args, before=deleted_stage)
     assert reply == 0  # not answered, not finished: still started, for its worker to take back
-    assert not connection.exists(keys.reply_key(job_id))
-    assert connection.zcard(book.queue.started) == 1 and connection.exists(keys.request_key(job_id))
+    assert not connection.exists(keys.reply_key(model_name, job_id))
+    assert connection.zcard(book.queue.started) == 1 and connection.exists(keys.request_key(model_name, job_id))
     assert connection.hget(keys.job_key(job_id), "status") == b"started"
 
 
@@ -405,7 +405,7 @@ def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(
     with connection.pipeline(transaction=False) as pipe:
         for job_id in ids:
             pipe.hset(keys.job_key(job_id), mapping=job_fields(model_name))  # type: ignore[arg-type]
-            pipe.set(keys.request_key(job_id), frame)
+            pipe.set(keys.request_key(model_name, job_id), frame)
         pipe.rpush(keys.queue_key(model_name), *ids)
         pipe.execute()
     started, skipped = start(connection, book, more=len(ids) - 1)
@@ -417,8 +417,8 @@ def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(
     assert connection.zcard(book.queue.finished) == len(ids)
     with connection.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.xrange(keys.reply_key(job_id))
-            pipe.exists(keys.request_key(job_id))
+            pipe.xrange(keys.reply_key(model_name, job_id))
+            pipe.exists(keys.request_key(model_name, job_id))
         replies = pipe.execute()
     assert all(entries[0][1][b"frame"] == response for entries in replies[::2])
     assert not any(replies[1::2])
@@ -434,7 +434,7 @@ def test_without_rq_results_a_job_is_answered_and_finished_with_no_result_record
     response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(first, response, 60, b"\x80"), Finished(second, response, 60, None)]) == 2
     for job_id in (recorded, unrecorded):
-        assert connection.xrange(keys.reply_key(job_id))[0][1][b"frame"] == response
+        assert connection.xrange(keys.reply_key(model_name, job_id))[0][1][b"frame"] == response
         assert connection.hget(keys.job_key(job_id), "status") == b"finished"
         assert connection.zscore(book.queue.finished, job_id) is not None
     assert connection.exists(layout.results_key(recorded))
@@ -527,7 +527,9 @@ def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
         # the script's line says it (a redis.call on 7.0: RENAME).
         assert f"its ACL lacks the command {command.upper()};" in caplog.text, caplog.text
         if command == "rename":
-            assert connection.exists(keys.request_key(job.id)) and not connection.exists(keys.reply_key(job.id))
+            assert connection.exists(keys.request_key(model_name, job.id)) and not connection.exists(
+                keys.reply_key(model_name, job.id)
+            )
             assert connection.hget(keys.job_key(job.id), "status") == b"started"  # to be taken back
     finally:
         connection.execute_command("ACL", "DELUSER", user)

@@ -271,7 +271,7 @@ def ortq_drain(
             session = session_for(model, "cpu")
             want = [session.run(None, x)[0] for x in inputs]
             sampled = [jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))]
-            responses = producer.wait_responses([j.id for j in sampled], 60, [j.nonce for j in sampled])
+            responses = producer.results_of(sampled, 60)
             checked = [outputs_of(response, j.id) for response, j in zip(responses, sampled, strict=True)]
             worst, close = agreement(checked, [want[(i * max(1, work.jobs // 200)) % 8] for i in range(len(checked))])
             # Each answer's "run": its group's run as the worker's main thread timed it (the inputs

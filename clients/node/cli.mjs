@@ -5,7 +5,9 @@
 //   node cli.mjs submit REDIS_URL MODEL  [--priority high] [--ttl S] [--job-timeout S] [--job-id ID]     < inputs.json
 //     both also take --no-validate (send inputs unchecked: the worker checks them) and
 //     --allow-unknown-model (enqueue for a model no worker has published a signature for yet)
-//   node cli.mjs result REDIS_URL JOB_ID [--nonce HEX] [--timeout-ms MS]
+//   node cli.mjs result REDIS_URL JOB_ID --model MODEL [--nonce HEX] [--timeout-ms MS]
+//     the result of a job submitted by another process, read from MODEL's reply key; with
+//     --nonce (as submit printed it) the reply must carry the proof made from MODEL and that nonce
 //   node cli.mjs many   REDIS_URL MODEL  [the options of infer]                                   < [inputs, ...]
 //     many jobs in one MULTI/EXEC, waited for together; prints {"jobs": [ID, ...], "results":
 //     [{"outputs": ...} or {"error": ...}, ...]} (exit 3 if any failed)
@@ -13,18 +15,20 @@
 // inputs.json: {"x": {"dtype": "float32", "shape": [2, 4], "data": [1, 2, ...]}, ...}, where
 // "base64" (the tensor's little-endian bytes) may stand instead of "data"; int64/uint64 values
 // may be JSON strings. Outputs are printed as {"job": ID, "outputs": {name: {dtype, shape,
-// base64, data}}}; submit prints {"job": ID, "nonce": HEX}. A failure prints {"job": ID,
-// "error": {type, message}}. float16 "data" are the values' bit patterns (use "base64"). Exit
-// status: 0 done, 3 the job failed on the worker, 1 no result in time or Redis unavailable (or
-// anything else that went wrong in Redis), 2 a usage, configuration or input error.
+// base64, data}}}; submit prints {"job": ID, "model": MODEL, "nonce": HEX}. A failure prints
+// {"job": ID, "error": {type, message}}. float16 "data" are the values' bit patterns (use
+// "base64"). Exit status: 0 done, 3 the job failed on the worker, 1 no result in time, a reply
+// that does not answer the request (ResponseMismatch) or Redis unavailable (or anything else that
+// went wrong in Redis), 2 a usage, configuration or input error (ProtocolMismatch included: the
+// model's workers speak another ortq protocol, and nothing was enqueued).
 
 import { readFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { Client, DTYPES, OrtqError } from './ortq.mjs';
 
 /** Errors of this client's own checks, before anything was enqueued: exit status 2. */
-const LOCAL_USAGE_ERRORS = new Set(['ConfigurationError', 'InvalidInput', 'UnsupportedDtype', 'PayloadTooLarge', 'UnknownModel']);
-const USAGE = 'usage: node cli.mjs infer|submit|many REDIS_URL MODEL [options] < inputs.json | node cli.mjs result REDIS_URL JOB_ID [options]';
+const LOCAL_USAGE_ERRORS = new Set(['ConfigurationError', 'InvalidInput', 'UnsupportedDtype', 'PayloadTooLarge', 'UnknownModel', 'ProtocolMismatch']);
+const USAGE = 'usage: node cli.mjs infer|submit|many REDIS_URL MODEL [options] < inputs.json | node cli.mjs result REDIS_URL JOB_ID --model MODEL [options]';
 
 function tensorFromJson(name, spec) {
   const entry = DTYPES[spec?.dtype];
@@ -62,6 +66,7 @@ async function main(argv) {
       'job-timeout': { type: 'string' },
       'job-id': { type: 'string' },
       'timeout-ms': { type: 'string', default: '30000' },
+      model: { type: 'string' },
       nonce: { type: 'string' },
       'no-validate': { type: 'boolean', default: false },
       'allow-unknown-model': { type: 'boolean', default: false },
@@ -76,8 +81,12 @@ async function main(argv) {
   let jobId = command === 'result' ? target : null;
   try {
     if (command === 'result') {
+      if (values.model === undefined) throw new OrtqError('ConfigurationError', `result needs the job's --model; ${USAGE}`);
+      if (values.nonce !== undefined && !/^(?:[0-9a-fA-F]{2})+$/.test(values.nonce)) {
+        throw new OrtqError('ConfigurationError', '--nonce takes the hex digits submit printed');
+      }
       const nonce = values.nonce === undefined ? undefined : Buffer.from(values.nonce, 'hex');
-      const outputs = await client.result(jobId, number(values['timeout-ms']), { nonce });
+      const outputs = await client.result(jobId, number(values['timeout-ms']), { model: values.model, nonce });
       print({ job: jobId, outputs: Object.fromEntries(Object.entries(outputs).map(([k, t]) => [k, tensorToJson(t)])) });
       return 0;
     }
@@ -87,7 +96,7 @@ async function main(argv) {
     if (command === 'many') {
       if (!Array.isArray(parsed)) throw new OrtqError('ConfigurationError', 'many reads a JSON list of inputs');
       const ids = await client.submitMany(target, parsed.map(toInputs), options);
-      const responses = await client.waitResponses(ids, number(values['timeout-ms']) ?? 30000, ids.map((id) => client.nonces.get(id)));
+      const responses = await client.waitResponses(ids, number(values['timeout-ms']) ?? 30000);
       const results = responses.map((r) => (r.ok ? { outputs: Object.fromEntries(Object.entries(r.outputs).map(([k, t]) => [k, tensorToJson(t)])) } : { error: r.error }));
       print({ jobs: ids, results });
       return responses.every((r) => r.ok) ? 0 : 3;
@@ -95,7 +104,7 @@ async function main(argv) {
     const inputs = toInputs(parsed);
     jobId = await client.submit(target, inputs, options);
     if (command === 'submit') {
-      print({ job: jobId, nonce: client.nonces.get(jobId).toString('hex') });
+      print({ job: jobId, model: target, nonce: client.jobs.get(jobId).nonce.toString('hex') });
       return 0;
     }
     let outputs;

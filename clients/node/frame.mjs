@@ -2,6 +2,7 @@
 // a msgpack header map, zero padding to a multiple of 8, then the tensors' little-endian bytes.
 // Tensors are { dtype, shape, data } with data a typed array (see DTYPES).
 
+import { createHash } from 'node:crypto';
 import { endianness } from 'node:os';
 import { decode, encode } from '@msgpack/msgpack';
 
@@ -36,6 +37,8 @@ export const DEFAULT_DTYPES = new Map([
 ]);
 
 export const WIRE_VERSION = 1;
+/** Bytes of a response's proof (SHA-256). */
+export const PROOF_BYTES = 32;
 export const MAX_HEADER_BYTES = 1024 * 1024;
 export const DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024;
 const MAX_DIMS = 32;
@@ -127,10 +130,19 @@ function asInteger(value) {
   return null;
 }
 
-function checkNonce(value, where) {
+/** What binds a response to its request (protocol 3): SHA-256 of the model name's UTF-8 bytes, a
+ * newline (0x0A) and the request's nonce. The worker that read the request writes it in its
+ * response; the producer, who alone knows the nonce, checks it. */
+export function proofOf(model, nonce) {
+  return createHash('sha256').update(Buffer.from(model, 'utf8')).update(Buffer.from([0x0a])).update(nonce).digest();
+}
+
+/** A response's proof as a Buffer (null when absent); anything but PROOF_BYTES of msgpack bin is
+ * a WireFormatError. */
+function checkProof(value) {
   if (value === undefined || value === null) return null;
-  if (!(value instanceof Uint8Array) || value.byteLength < 8 || value.byteLength > 64) {
-    throw wireError(`${where} must be 8-64 bytes (msgpack bin)`);
+  if (!(value instanceof Uint8Array) || value.byteLength !== PROOF_BYTES) {
+    throw wireError(`header 'proof' must be ${PROOF_BYTES} bytes (msgpack bin)`);
   }
   return Buffer.from(value);
 }
@@ -163,8 +175,10 @@ function readTensors(descriptors, data) {
   return tensors;
 }
 
-/** The response in `frame` (a Buffer): {ok, outputs, error, timings, nonce}; throws OrtqError
- * of type WireFormatError (or PayloadTooLarge) for anything that is not a valid response. */
+/** The response in `frame` (a Buffer): {ok, outputs, error, timings, proof} (proof: a Buffer of
+ * PROOF_BYTES, or null when the response carries none); throws OrtqError of type WireFormatError
+ * (or PayloadTooLarge) for anything that is not a valid response. Keys it does not know (as the
+ * `nonce` of protocol 2's responses) are ignored. */
 export function decodeResponse(frame, maxBytes = DEFAULT_MAX_FRAME_BYTES) {
   if (frame.byteLength > maxBytes) throw new OrtqError('PayloadTooLarge', `frame is ${frame.byteLength} bytes; the limit is ${maxBytes}`);
   if (frame.byteLength < 8 || !frame.subarray(0, 4).equals(MAGIC)) throw wireError('not an ortq frame (bad magic, or shorter than its prefix)');
@@ -192,16 +206,16 @@ export function decodeResponse(frame, maxBytes = DEFAULT_MAX_FRAME_BYTES) {
   if (!isMap(timings) || !Object.values(timings).every((t) => typeof t === 'number' || typeof t === 'bigint')) {
     throw wireError("header 'timings' must be a map of string to number");
   }
-  const nonce = checkNonce(header.nonce, "header 'nonce'");
+  const proof = checkProof(header.proof);
   const data = frame.subarray(dataStart);
   const floatTimings = Object.fromEntries(Object.entries(timings).map(([k, t]) => [k, Number(t)]));
   if (header.ok === true) {
-    return { ok: true, outputs: readTensors(header.outputs, data), error: null, timings: floatTimings, nonce };
+    return { ok: true, outputs: readTensors(header.outputs, data), error: null, timings: floatTimings, proof };
   }
   if (header.ok !== false) throw wireError("header 'ok' must be true or false");
   const error = header.error;
   if (!isMap(error) || typeof error.type !== 'string' || typeof error.message !== 'string') {
     throw wireError("a failed response needs 'error': {type: str, message: str}");
   }
-  return { ok: false, outputs: {}, error: { type: error.type, message: error.message }, timings: floatTimings, nonce };
+  return { ok: false, outputs: {}, error: { type: error.type, message: error.message }, timings: floatTimings, proof };
 }

@@ -1,5 +1,5 @@
-// A small ortq producer for Node.js, written from docs/wire-format.md alone (protocol v2):
-// submit jobs with plain Redis commands, wait for their replies, check each reply's nonce.
+// A small ortq producer for Node.js, written from docs/wire-format.md alone (protocol 3):
+// submit jobs with plain Redis commands, wait for their replies, check each reply's proof.
 //
 //   const client = new Client('redis://127.0.0.1:6379/0');
 //   const id = await client.submit('tiny', { x: { dtype: 'float32', shape: [1, 4], data: new Float32Array(4) } });
@@ -9,9 +9,13 @@
 import { randomBytes, randomUUID } from 'node:crypto';
 import { encode } from '@msgpack/msgpack';
 import Redis, { ReplyError } from 'ioredis';
-import { DEFAULT_DTYPES, DEFAULT_MAX_FRAME_BYTES, OrtqError, decodeResponse, encodeRequest } from './frame.mjs';
+import { DEFAULT_DTYPES, DEFAULT_MAX_FRAME_BYTES, OrtqError, decodeResponse, encodeRequest, proofOf } from './frame.mjs';
 
-export { DTYPES, OrtqError, decodeResponse, encodeRequest } from './frame.mjs';
+export { DTYPES, OrtqError, decodeResponse, encodeRequest, proofOf } from './frame.mjs';
+
+/** The version of the keys and commands this client speaks; workers publish theirs in their
+ * model's signature record, and the client enqueues nothing for workers of another. */
+export const PROTOCOL = 3;
 
 const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
@@ -19,6 +23,19 @@ const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
 /** Most reply streams one XREAD names. */
 const XREAD_STREAMS = 256;
+/** The errors a worker answers without having read the request, so with no proof, each in fixed
+ * words of its own: such an error is still the job's answer. */
+export const UNPROVEN_ERRORS = new Set(['RequestExpired', 'PayloadTooLarge', 'InvalidJob', 'WireFormatError', 'WorkerLost']);
+
+/** The string key holding a job's request frame. */
+export function requestKey(model, jobId) {
+  return `ortq:req:${model}:${jobId}`;
+}
+
+/** The stream a job's one response frame is written to (field `frame`). */
+export function replyKey(model, jobId) {
+  return `ortq:reply:${model}:${jobId}`;
+}
 
 /** The EVAL fallback of FCALL ortq_enqueue_high_v2 (docs/wire-format.md section 3.5). */
 export const ENQUEUE_HIGH_SCRIPT = `local keys, args = KEYS, ARGV
@@ -141,8 +158,10 @@ export class Client {
     // Connection trouble surfaces as the failed command's error; without listeners ioredis would
     // also print every reconnection attempt.
     for (const connection of [this.redis, this.blocking]) connection.on('error', () => {});
-    /** job id -> the nonce its request carried, until its result has been read. */
-    this.nonces = new Map();
+    /** job id -> {model, nonce, proof} of each job this client submitted, until its result has
+     * been read: `nonce` is what its request carried, `proof` (proofOf(model, nonce)) what its
+     * response must carry. */
+    this.jobs = new Map();
   }
 
   async close() {
@@ -188,7 +207,7 @@ export class Client {
       if (frame.byteLength > this.maxFrameBytes) {
         throw new OrtqError('PayloadTooLarge', `the request is ${frame.byteLength} bytes, over maxFrameBytes (${this.maxFrameBytes}): workers would refuse it`);
       }
-      return { id: ids[i], nonce, frame };
+      return { id: ids[i], nonce, proof: proofOf(model, nonce), frame };
     });
     if (this.maxQueueLength > 0) {
       // Backpressure (section 3.1): checked before the transaction, so not atomic with it.
@@ -210,7 +229,7 @@ export class Client {
       replies = await redisCall(doing, this.#enqueue(jobs, settings, 'eval'));
     }
     await redisCall(doing, this.#settle(jobs, settings, replies));
-    for (const job of jobs) this.nonces.set(job.id, job.nonce);
+    for (const job of jobs) this.jobs.set(job.id, { model, nonce: job.nonce, proof: job.proof });
     return jobs.map((job) => job.id);
   }
 
@@ -233,7 +252,7 @@ export class Client {
       if (ttl !== null) fields.ttl = String(ttl);
       if (jobTimeout !== null) fields.timeout = String(jobTimeout);
       if (priority === 'high') fields.ortq_priority = 'high';
-      multi.set(`ortq:req:${job.id}`, job.frame, 'EX', wait);
+      multi.set(requestKey(model, job.id), job.frame, 'EX', wait);
       multi.hset(this.jobKey(job.id), fields);
       multi.expire(this.jobKey(job.id), wait + this.failureTtl);
       multi.sadd(`${this.rqPrefix}:queues`, queue);
@@ -244,18 +263,26 @@ export class Client {
     return multi.exec();
   }
 
-  /** The model's published signature (section 5), or null when no worker has published one. */
+  /** The model's published signature (section 5), or null when no worker has published one;
+   * ProtocolMismatch when its workers speak another protocol than PROTOCOL. */
   async signature(model) {
     const key = `ortq:signature:${checkModelName(model)}`;
     const raw = await redisCall(`could not read the signature of ${model}`, this.redis.get(key));
     if (raw === null) return null;
+    let signature = null;
     try {
-      const signature = JSON.parse(raw);
-      if (Array.isArray(signature.inputs)) return signature;
+      signature = JSON.parse(raw);
     } catch {
-      // fall through: not ortq's JSON
+      // not ortq's JSON
     }
-    throw new OrtqError('CorruptRecord', `the published signature of ${JSON.stringify(model)} cannot be read`);
+    if (signature === null || typeof signature !== 'object' || !Array.isArray(signature.inputs)) {
+      throw new OrtqError('CorruptRecord', `the published signature of ${JSON.stringify(model)} cannot be read`);
+    }
+    const protocol = signature.protocol ?? 2; // workers before protocol 3 did not say
+    if (protocol !== PROTOCOL) {
+      throw new OrtqError('ProtocolMismatch', `the workers of ${JSON.stringify(model)} speak ortq protocol ${JSON.stringify(protocol)} and this client ${PROTOCOL}: their jobs would never be answered, so nothing was enqueued; upgrade producers and workers together`);
+    }
+    return signature;
   }
 
   /** Check every EXEC reply (section 3.2): queue by EVAL a job whose FCALL found no function;
@@ -283,7 +310,7 @@ export class Client {
     }
     if (broken.length === 0) return;
     const cleanup = this.redis.multi();
-    for (const [job] of broken) cleanup.del(`ortq:req:${job.id}`, this.jobKey(job.id));
+    for (const [job] of broken) cleanup.del(requestKey(settings.model, job.id), this.jobKey(job.id));
     await cleanup.exec();
     const first = broken[0][1].message;
     const message = `could not enqueue ${broken.length} of ${jobs.length} job(s) (nothing of them was left in Redis): ${first}`;
@@ -295,11 +322,11 @@ export class Client {
    * The outputs of job `jobId` ({name: {dtype, shape, data}}), waiting at most `timeoutMs`.
    * Throws OrtqError: the worker's error type (remote: true) when the job failed,
    * ResultTimeout, ResponseMismatch (the reply does not answer our request), CorruptRecord.
-   * `nonce` (a Buffer) checks a job submitted by another client; ours are remembered.
+   * A job this client submitted needs nothing more; for one submitted elsewhere give its `model`
+   * and, to check its reply, `nonce` (a Buffer: the nonce its request carried).
    */
-  async result(jobId, timeoutMs = 30000, { nonce } = {}) {
-    const [response] = await this.waitResponses([jobId], timeoutMs, [nonce ?? this.nonces.get(jobId) ?? null]);
-    this.nonces.delete(jobId);
+  async result(jobId, timeoutMs = 30000, { model, nonce } = {}) {
+    const [response] = await this.waitResponses([{ id: jobId, model, nonce }], timeoutMs);
     if (!response.ok) throw new OrtqError(response.error.type, response.error.message, { jobId, remote: true });
     return response.outputs;
   }
@@ -315,21 +342,29 @@ export class Client {
     }
   }
 
-  /** The decoded responses of many jobs, in order, waited for together with XREAD (section 4.1). */
-  async waitResponses(jobIds, timeoutMs, nonces = []) {
+  /**
+   * The decoded responses ({ok, outputs, error, timings, proof}) of many jobs, in order, waited for
+   * together with XREAD (section 4.1), each checked by the proof rule (section 4.3). `jobs`: the
+   * ids of jobs this client submitted, or {id, model, nonce} for jobs submitted elsewhere (nonce,
+   * a Buffer, optional: without it the reply is not checked). Jobs answered are forgotten.
+   */
+  async waitResponses(jobs, timeoutMs = 30000) {
+    const wanted = jobs.map((job) => this.#waitable(job));
+    const byId = new Map();
+    for (const job of wanted) if (!byId.has(job.id)) byId.set(job.id, job);
     const deadline = Date.now() + timeoutMs;
     const responses = new Map();
     for (;;) {
-      const missing = [...new Set(jobIds)].filter((id) => !responses.has(id));
-      if (missing.length === 0) return jobIds.map((id) => responses.get(id));
+      const missing = [...byId.values()].filter((job) => !responses.has(job.id));
+      if (missing.length === 0) break;
       const left = deadline - Date.now();
       if (left <= 0) {
-        throw new OrtqError('ResultTimeout', `no result for ${missing.length} of ${jobIds.length} job(s) within ${timeoutMs} ms`, { jobId: missing[0] });
+        throw new OrtqError('ResultTimeout', `no result for ${missing.length} of ${byId.size} job(s) within ${timeoutMs} ms`, { jobId: missing[0].id });
       }
       const pending = missing.slice(0, XREAD_STREAMS);
       // Each block stays under the command timeout (section 4.2).
       const block = Math.max(1, Math.min(left, this.socketTimeoutMs - 1000));
-      const streams = pending.map((id) => `ortq:reply:${id}`);
+      const streams = pending.map((job) => replyKey(job.model, job.id));
       let reply;
       try {
         reply = await this.blocking.xreadBuffer('BLOCK', block, 'STREAMS', ...streams, ...pending.map(() => '0-0'));
@@ -337,29 +372,54 @@ export class Client {
         throw redisFailure(err, 'could not read replies', 'a reply key of these jobs holds something no worker wrote');
       }
       for (const [stream, entries] of reply ?? []) {
-        const jobId = stream.toString().slice('ortq:reply:'.length);
+        const key = stream.toString();
+        const job = byId.get(key.slice(key.lastIndexOf(':') + 1)); // job ids have no ':'
+        if (job === undefined) continue;
         const fields = entries[0]?.[1] ?? [];
         let frame = null;
         for (let i = 0; i + 1 < fields.length; i += 2) if (fields[i].toString() === 'frame') frame = fields[i + 1];
-        if (frame === null) throw new OrtqError('CorruptRecord', `the reply of job ${jobId} has no frame`, { jobId });
-        responses.set(jobId, this.#checked(frame, jobId, nonces[jobIds.indexOf(jobId)] ?? null));
+        if (frame === null) throw new OrtqError('CorruptRecord', `the reply of job ${job.id} (${key}) has no frame`, { jobId: job.id });
+        responses.set(job.id, this.#checked(frame, job));
       }
     }
+    for (const id of byId.keys()) this.jobs.delete(id);
+    return wanted.map((job) => responses.get(job.id));
   }
 
-  /** Decode a response frame and apply the nonce rule (section 4.3). */
-  #checked(frame, jobId, nonce) {
+  /** {id, model, proof} of a job to wait for (proof null: its reply is not checked). */
+  #waitable(job) {
+    const { id, model: given, nonce } = typeof job === 'string' ? { id: job } : (job ?? {});
+    checkJobId(id);
+    if (given !== undefined && given !== null) checkModelName(given);
+    const ours = this.jobs.get(id);
+    if (ours !== undefined && given !== undefined && given !== null && given !== ours.model) {
+      throw new OrtqError('ConfigurationError', `job ${id} was submitted for model ${ours.model}, not ${given}`, { jobId: id });
+    }
+    const model = given ?? ours?.model;
+    if (model === undefined) throw new OrtqError('ConfigurationError', `job ${id} was not submitted by this client: give its model`, { jobId: id });
+    if (nonce === undefined || nonce === null) return { id, model, proof: ours?.proof ?? null };
+    if (!(nonce instanceof Uint8Array)) throw new OrtqError('ConfigurationError', `the nonce of job ${id} must be a Buffer`, { jobId: id });
+    return { id, model, proof: proofOf(model, nonce) };
+  }
+
+  /** Decode a response frame and apply the proof rule (section 4.3): it answers the request
+   * whose proof is `job.proof` if it carries that proof, or if it carries none and is one of the
+   * errors a worker gives without having read the request (UNPROVEN_ERRORS). */
+  #checked(frame, job) {
     let response;
     try {
       response = decodeResponse(frame, this.maxFrameBytes);
     } catch (err) {
-      throw new OrtqError('CorruptRecord', `the reply of job ${jobId} is no valid response frame: ${err.message}`, { jobId });
+      throw new OrtqError('CorruptRecord', `the reply of job ${job.id} is no valid response frame: ${err.message}`, { jobId: job.id });
     }
-    const same = response.nonce !== null && nonce !== null && response.nonce.equals(nonce);
-    if (nonce !== null && !same && (response.ok || response.nonce !== null)) {
-      throw new OrtqError('ResponseMismatch', `the response to job ${jobId} does not carry this request's nonce: its request was replaced or its reply forged`, { jobId });
-    }
-    return response;
+    if (job.proof === null || (response.proof !== null && response.proof.equals(job.proof))) return response;
+    if (response.proof === null && !response.ok && UNPROVEN_ERRORS.has(response.error.type)) return response;
+    const carries = response.proof === null ? 'no proof' : 'the proof of another request or model';
+    throw new OrtqError(
+      'ResponseMismatch',
+      `the response to job ${job.id} does not answer this request (it carries ${carries}): its request frame was replaced, or the job run by a worker of another model, by someone with write access to Redis; or its worker speaks another ortq protocol (upgrade producers and workers together)`,
+      { jobId: job.id },
+    );
   }
 
   /** RQ's status of the job (queued, started, finished, failed, canceled, scheduled), or null. */
@@ -374,12 +434,12 @@ export class Client {
     if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return false;
     const records = this.redis
       .multi()
-      .del(`ortq:req:${jobId}`)
+      .del(requestKey(model, jobId))
       .hset(this.jobKey(jobId), 'status', 'canceled')
       .zadd(`${this.rqPrefix}:canceled:ortq:${model}`, Math.floor(Date.now() / 1000), jobId)
       .exec();
     await redisCall(doing, records); // a job hash that is no hash: the job is off the queue anyway
-    this.nonces.delete(jobId);
+    this.jobs.delete(jobId);
     return true;
   }
 }

@@ -52,7 +52,7 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     async def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
         """The job's outputs, once its response arrives (at most ``timeout`` seconds): read-only views
         onto the received frame. InferenceFailed if the worker failed it, ResultTimeout if nothing came."""
-        return enqueue.outputs_of(await self.producer.wait_response(self.id, timeout, self.nonce, self.model), self.id)
+        return enqueue.outputs_of(await self.producer.wait_response(self.id, self.model, timeout, self.proof), self.id)
 
     async def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it; returns whether it was removed."""
@@ -328,7 +328,7 @@ class AsyncProducer:
         if broken:
             async with connection.pipeline(transaction=True) as pipe:
                 for job_id, _ in broken:
-                    pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
+                    pipe.delete(keys.request_key(model, job_id), keys.job_key(job_id))
                 await pipe.execute(raise_on_error=False)
             raise enqueue.enqueue_failure(model, broken, len(ids))
         return ids
@@ -362,30 +362,32 @@ class AsyncProducer:
 
     # ------------------------------------------------------------------ waiting
 
-    async def wait_response(
-        self, job_id: str, timeout: float, nonce: bytes | None = None, model: str | None = None
-    ) -> wire.Response:
+    async def wait_response(self, job_id: str, model: str, timeout: float, proof: bytes | None = None) -> wire.Response:
         """The job's response (see ``Producer.wait_response``)."""
         late = f"no result for job {job_id} within {timeout:g} s"
-        reader = (self._default if model is None else self._redis_for(model)).reader
-        return (await reader.wait([job_id], [nonce], checks.wait_timeout(timeout), late))[0]
+        reader = self._redis_for(model).reader
+        return (await reader.wait([job_id], [model], [proof], checks.wait_timeout(timeout), late))[0]
 
     async def wait_responses(
         self,
         job_ids: Sequence[str],
+        models: Sequence[str],
         timeout: float,
-        nonces: Sequence[bytes | None] | None = None,
-        models: Sequence[str] | None = None,
+        proofs: Sequence[bytes | None] | None = None,
     ) -> list[wire.Response]:
-        """The responses of many jobs, in order, waited for together. ``models``: each job's, under a
-        shard map (None: all on ``redis_url``); each Redis's reader waits for its jobs at the same time."""
-        nonces = list(nonces) if nonces is not None else [None] * len(job_ids)
+        """The responses of many jobs (each of its model in ``models``), in order, waited for
+        together; under a shard map each Redis's reader waits for its jobs at the same time."""
+        proofs = list(proofs) if proofs is not None else [None] * len(job_ids)
         timeout = checks.wait_timeout(timeout)
-        if self._routes is None or models is None:
-            return await self._default.reader.wait(job_ids, nonces, timeout, None)
+        if self._routes is None:
+            return await self._default.reader.wait(job_ids, models, proofs, timeout, None)
         groups = self._routes.group(models)
         waits = [
-            asyncio.ensure_future(each.reader.wait([job_ids[i] for i in at], [nonces[i] for i in at], timeout, None))
+            asyncio.ensure_future(
+                each.reader.wait(
+                    [job_ids[i] for i in at], [models[i] for i in at], [proofs[i] for i in at], timeout, None
+                )
+            )
             for each, at in groups
         ]
         try:
@@ -405,8 +407,8 @@ class AsyncProducer:
     async def results(self, jobs: Sequence[AsyncInferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
         """The outputs of many jobs, in order, waited for together. Raises InferenceFailed for the
         first job (in order) that failed, ResultTimeout if some had no result in time."""
-        models = None if self._routes is None else [job.model for job in jobs]
-        responses = await self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs], models)
+        models, proofs = [job.model for job in jobs], [job.proof for job in jobs]
+        responses = await self.wait_responses([job.id for job in jobs], models, timeout, proofs)
         return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
 
     async def cancel(self, job_id: str, model: str) -> bool:

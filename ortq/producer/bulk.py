@@ -230,8 +230,8 @@ def infer_files(
                 submitted.append((path, producer.submit(model, inputs)))
             except (InvalidInput, WireFormatError) as exc:
                 summary.failures.append((path.name, f"{type(exc).__name__}: {exc}"))
-        ids = [job.id for _, job in submitted]
-        responses = producer.wait_responses(ids, timeout, models=[model] * len(ids)) if submitted else []
+        jobs = [job for _, job in submitted]
+        responses = producer.results_of(jobs, timeout) if jobs else []
         for (path, _), response in zip(submitted, responses, strict=True):
             if response.error is not None:
                 summary.failures.append((path.name, f"{response.error.type}: {response.error.message}"))

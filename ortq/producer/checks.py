@@ -20,6 +20,7 @@ from ortq.errors import (
     CorruptRecord,
     InvalidInput,
     PayloadTooLarge,
+    ProtocolMismatch,
     QueueFull,
     UnknownModel,
     WireFormatError,
@@ -96,14 +97,22 @@ def wait_timeout(timeout: object) -> float:
 
 
 def parse_signature(raw: bytes | str | None, model: str) -> ModelSignature | None:
-    """The signature stored for ``model`` (None when none is), or CorruptRecord."""
+    """The signature stored for ``model`` (None when none is), or CorruptRecord; ProtocolMismatch
+    when the workers that published it speak another ortq protocol (keys.PROTOCOL)."""
     if raw is None:
         return None
     try:
-        return ModelSignature.loads(raw)
+        signature = ModelSignature.loads(raw)
     except WireFormatError as exc:
         key = keys.signature_key(model)
         raise CorruptRecord(f"the published signature of {model!r} ({key}) cannot be read: {exc}") from exc
+    protocol = json.loads(raw).get("protocol", 2)  # workers before protocol 3 did not say
+    if protocol != keys.PROTOCOL:
+        raise ProtocolMismatch(
+            f"the workers of {model!r} speak ortq protocol {protocol!r} and this producer {keys.PROTOCOL}: their "
+            "jobs would never be answered, so nothing was enqueued; upgrade producers and workers together"
+        )
+    return signature
 
 
 class SignatureCache:

@@ -33,14 +33,16 @@ P = TypeVar("P")
 
 class JobHandle(Generic[P]):
     """What every job handle holds: its producer, its id and model, and the random bytes its
-    request carried, which its response must echo (None: not checked, for a handle on a job
-    submitted elsewhere)."""
+    request carried, from which its response's proof is made (None: not checked, for a handle on a
+    job submitted elsewhere)."""
 
     def __init__(self, producer: P, job_id: str, model: str, nonce: bytes | None = None) -> None:
         self.producer = producer
         self.id = job_id
         self.model = model
         self.nonce = nonce
+        #: The proof its response must carry (wire.proof_of), or None when it is not checked.
+        self.proof = None if nonce is None else wire.proof_of(model, nonce)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, model={self.model!r})"
@@ -71,7 +73,8 @@ class JobOptions:
 
 
 def new_nonce() -> bytes:
-    """The random bytes a request carries and its response must echo (wire ``options.nonce``)."""
+    """The random bytes a request carries (wire ``options.nonce``), which the producer alone knows
+    once the request is in Redis: its response's proof is made from them (wire.proof_of)."""
     return os.urandom(16)
 
 
@@ -114,7 +117,7 @@ def add_enqueue(
     """
     job_id = job_id or str(uuid4())
     wait = options.wait_ttl
-    pipe.set(keys.request_key(job_id), frame_argument(frame), ex=wait)
+    pipe.set(keys.request_key(model, job_id), frame_argument(frame), ex=wait)
     pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, layout.utcformat(layout.utcnow())))
     pipe.expire(keys.job_key(job_id), wait + options.failure_ttl)
     pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
@@ -194,25 +197,26 @@ def add_enqueue_high_by_eval(pipe: Any, model: str, job_id: str, options: JobOpt
 def add_cancel(pipe: Any, job_id: str, model: str) -> None:
     """What cancelling a job that was taken off its queue writes (after a successful LREM), as
     RQ's ``Job.cancel``: status canceled, RQ's canceled registry; and its request frame deleted."""
-    pipe.delete(keys.request_key(job_id))
+    pipe.delete(keys.request_key(model, job_id))
     pipe.hset(keys.job_key(job_id), "status", "canceled")
     pipe.zadd(layout.QueueKeys.of(keys.queue_name(model)).canceled, {job_id: int(layout.utcnow().timestamp())})
 
 
-def reply_streams(job_ids: Iterable[str]) -> dict[str, str]:
-    """XREAD's streams argument for waiting on these jobs' replies from the start."""
-    return {keys.reply_key(job_id): "0-0" for job_id in job_ids}
+def reply_streams(jobs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """XREAD's streams argument for waiting on the replies of these (model, job id) from the start."""
+    return {keys.reply_key(model, job_id): "0-0" for model, job_id in jobs}
 
 
 def frames_in(reply: Any) -> dict[str, bytes | CorruptRecord]:
     """Job id -> its response frame (or why there is none) in an XREAD reply: RESP2's
-    ``[(stream, entries)]`` or RESP3's ``{stream: entries}``."""
+    ``[(stream, entries)]`` or RESP3's ``{stream: entries}``. (A reply key ends with its job id,
+    after the last colon: ids have none.)"""
     found: dict[str, bytes | CorruptRecord] = {}
-    prefix = keys.reply_key("")
     for stream, entries in reply.items() if isinstance(reply, dict) else reply or []:
-        job_id = keys.as_text(stream)[len(prefix) :]
+        key = keys.as_text(stream)
+        job_id = key.rpartition(":")[2]
         try:
-            found[job_id] = frame_of(entries, job_id)
+            found[job_id] = frame_of(entries, key)
         except CorruptRecord as exc:
             found[job_id] = exc
     return found
@@ -226,17 +230,17 @@ def read_refusal(exc: redis.RedisError) -> OrtqError | None:
     return faults.failure(exc, "could not read replies")
 
 
-def add_probe(pipe: Any, job_id: str) -> None:
+def add_probe(pipe: Any, model: str, job_id: str) -> None:
     """Read one job's reply stream without blocking: after a refused XREAD of many, to find the key
     that is no stream (needs nothing but XREAD, which is all a producer may run on reply keys)."""
-    pipe.xread({keys.reply_key(job_id): "0-0"}, count=1)
+    pipe.xread({keys.reply_key(model, job_id): "0-0"}, count=1)
 
 
-def wrong_reply(job_id: str, probe: Any) -> CorruptRecord | None:
+def wrong_reply(model: str, job_id: str, probe: Any) -> CorruptRecord | None:
     """CorruptRecord when the :func:`add_probe` of the job's reply found no stream there."""
     if not (isinstance(probe, redis.ResponseError) and faults.is_wrong_type(probe)):
         return None
-    key = keys.reply_key(job_id)
+    key = keys.reply_key(model, job_id)
     return CorruptRecord(f"the reply key of job {job_id} ({key}) holds no stream: no ortq worker wrote it")
 
 
@@ -254,28 +258,38 @@ def outputs_of(response: wire.Response, job_id: str) -> dict[str, Any]:
     return response.outputs
 
 
-def frame_of(entries: Any, job_id: str) -> bytes:
-    """The response frame in one stream's XREAD entries ``[(id, {field: value})]``."""
+def frame_of(entries: Any, key: str) -> bytes:
+    """The response frame in the XREAD entries ``[(id, {field: value})]`` of reply stream ``key``."""
     try:
         frame = entries[0][1][b"frame"]
     except (IndexError, KeyError, TypeError) as exc:
-        raise CorruptRecord(f"the reply of job {job_id} ({keys.reply_key(job_id)}) has no frame") from exc
+        raise CorruptRecord(f"the reply {key} has no frame") from exc
     if not isinstance(frame, bytes):
-        raise CorruptRecord(f"the reply of job {job_id} is not a byte string")
+        raise CorruptRecord(f"the reply {key} is not a byte string")
     return frame
 
 
-def read_response(frame: bytes, job_id: str, nonce: bytes | None, max_bytes: int) -> wire.Response:
-    """Decode a response frame and check that it answers the request that carried ``nonce``."""
+#: The errors a worker answers without having read the request (so with no proof), each in fixed
+#: words of its own: the request was gone, too large or no string to read, or did not decode; the
+#: job record was no hash; the job's worker died (twice taken back). A producer takes such an error
+#: for its job's answer: nothing in it came from whoever replaced or removed the request.
+UNPROVEN_ERRORS = frozenset({"RequestExpired", "PayloadTooLarge", "InvalidJob", "WireFormatError", "WorkerLost"})
+
+
+def read_response(frame: bytes, job_id: str, proof: bytes | None, max_bytes: int) -> wire.Response:
+    """Decode a response frame and check that it answers the request whose proof (JobHandle.proof)
+    is ``proof`` (None: not checked)."""
     try:
         response = wire.decode_response(frame, max_bytes=max_bytes)
     except WireFormatError as exc:
         raise CorruptRecord(f"the reply of job {job_id} is no valid response frame: {exc}") from exc
-    if nonce is not None and response.nonce != nonce and (response.ok or response.nonce is not None):
-        # An error about an unreadable request carries no nonce (the worker could not read it): it is
-        # still this job's answer. Outputs (or another request's error) without ours are not.
-        raise ResponseMismatch(
-            f"the response to job {job_id} does not carry this request's nonce: its request frame was "
-            "replaced or its reply forged by someone with write access to Redis (docs/security.md)"
-        )
-    return response
+    if proof is None or response.proof == proof:
+        return response
+    if response.proof is None and response.error is not None and response.error.type in UNPROVEN_ERRORS:
+        return response  # the worker could not read the request: it says so, in its own words
+    carries = "no proof" if response.proof is None else "the proof of another request or model"
+    raise ResponseMismatch(
+        f"the response to job {job_id} does not answer this request (it carries {carries}): its request frame "
+        "was replaced, or the job run by a worker of another model, by someone with write access to Redis "
+        "(docs/security.md); or its worker speaks another ortq protocol (upgrade producers and workers together)"
+    )

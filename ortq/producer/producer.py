@@ -51,7 +51,7 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
         The arrays are read-only views onto the received frame (no copy); ``.copy()`` one to write to it.
         Raises InferenceFailed if the worker failed the job, ResultTimeout if nothing arrived in time.
         """
-        return enqueue.outputs_of(self.producer.wait_response(self.id, timeout, self.nonce, self.model), self.id)
+        return enqueue.outputs_of(self.producer.wait_response(self.id, self.model, timeout, self.proof), self.id)
 
     def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it; returns whether it was removed."""
@@ -278,7 +278,7 @@ class Producer:
         if broken:
             with connection.pipeline(transaction=True) as pipe:
                 for job_id, _ in broken:
-                    pipe.delete(keys.request_key(job_id), keys.job_key(job_id))
+                    pipe.delete(keys.request_key(model, job_id), keys.job_key(job_id))
                 pipe.execute(raise_on_error=False)
             raise enqueue.enqueue_failure(model, broken, len(ids))
         return ids
@@ -299,37 +299,35 @@ class Producer:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait_response(
-        self, job_id: str, timeout: float, nonce: bytes | None = None, model: str | None = None
-    ) -> wire.Response:
-        """Wait for the job's response (its reply stream, read with XREAD, which leaves it for
-        other readers until it expires); with ``nonce``, check that it answers that request.
-        ``model``: the job's, which says where its reply is under a shard map (None: ``redis_url``)."""
-        connection = self.connection if model is None else self.connection_for(model)
+    def wait_response(self, job_id: str, model: str, timeout: float, proof: bytes | None = None) -> wire.Response:
+        """Wait for the response of ``model``'s job ``job_id`` (its reply stream, read with XREAD,
+        which leaves it for other readers until it expires); with ``proof`` (JobHandle.proof),
+        check that it answers that request."""
         deadline = time.monotonic() + checks.wait_timeout(timeout)
         late = f"no result for job {job_id} within {timeout:g} s"
-        return self._wait(connection, [job_id], [nonce], deadline, timeout, late)[0]
+        connection = self.connection_for(model)
+        return self._wait(connection, [job_id], [model], [proof], deadline, timeout, late)[0]
 
     def wait_responses(
         self,
         job_ids: Sequence[str],
+        models: Sequence[str],
         timeout: float,
-        nonces: Sequence[bytes | None] | None = None,
-        models: Sequence[str] | None = None,
+        proofs: Sequence[bytes | None] | None = None,
     ) -> list[wire.Response]:
-        """The responses of many jobs, in order: one XREAD returns every reply that is there, or
-        blocks until the first of them arrives, and so on until all are in. ``models``: each job's,
-        under a shard map (None: all on ``redis_url``); jobs on several Redis instances are waited
-        for one Redis after the other against one deadline, their replies kept by Redis meanwhile."""
+        """The responses of many jobs (each of its model in ``models``), in order: one XREAD returns
+        every reply that is there, or blocks until the first of them arrives, and so on until all
+        are in. Under a shard map, jobs on several Redis instances are waited for one Redis after
+        the other against one deadline, their replies kept by Redis meanwhile."""
         deadline = time.monotonic() + checks.wait_timeout(timeout)
-        nonces = nonces if nonces is not None else [None] * len(job_ids)
-        if self._routes is None or models is None:
-            return self._wait(self.connection, job_ids, nonces, deadline, timeout, None)
+        proofs = proofs if proofs is not None else [None] * len(job_ids)
+        if self._routes is None:
+            return self._wait(self.connection, job_ids, models, proofs, deadline, timeout, None)
         responses: dict[int, wire.Response] = {}
         for number, (connection, positions) in enumerate(self._routes.group(models)):
-            ids = [job_ids[i] for i in positions]
+            ids, of = [job_ids[i] for i in positions], [models[i] for i in positions]
             # After the first Redis, look once even if the time is up: these replies may be in.
-            found = self._wait(connection, ids, [nonces[i] for i in positions], deadline, timeout, None, number > 0)
+            found = self._wait(connection, ids, of, [proofs[i] for i in positions], deadline, timeout, None, number > 0)
             responses.update(zip(positions, found, strict=True))
         return [responses[i] for i in range(len(job_ids))]
 
@@ -337,18 +335,20 @@ class Producer:
         self,
         connection: redis.Redis,
         job_ids: Sequence[str],
-        nonces: Sequence[bytes | None],
+        models: Sequence[str],
+        proofs: Sequence[bytes | None],
         deadline: float,
         timeout: float,
         late: str | None,
         look_once: bool = False,
     ) -> list[wire.Response]:
-        nonce_of = dict(zip(job_ids, nonces, strict=True))
+        proof_of = dict(zip(job_ids, proofs, strict=True))
+        model_of = dict(zip(job_ids, models, strict=True))
         responses: dict[str, wire.Response] = {}
         outage = faults.Outage()
         block = self._block if connection is self.connection else self._block_seconds(connection)
         while True:
-            pending = [job_id for job_id in nonce_of if job_id not in responses]
+            pending = [job_id for job_id in proof_of if job_id not in responses]
             if not pending:
                 return [responses[job_id] for job_id in job_ids]
             remaining = deadline - time.monotonic()
@@ -359,20 +359,23 @@ class Producer:
             try:
                 # Blocks stay under the socket timeout, which would otherwise cut a long one short.
                 block_ms = max(1, int(min(remaining, block) * 1000))
-                reply = connection.xread(enqueue.reply_streams(reading), block=block_ms)  # type: ignore[arg-type]
+                streams = enqueue.reply_streams((model_of[job_id], job_id) for job_id in reading)
+                reply = connection.xread(streams, block=block_ms)  # type: ignore[arg-type]
             except redis.RedisError as exc:
                 if faults.is_down(exc):
                     time.sleep(max(0.0, min(outage.failed(exc, "could not read replies"), deadline - time.monotonic())))
                     continue
-                raise self._unreadable_reply(connection, reading, exc) from exc
+                raise self._unreadable_reply(connection, [(model_of[j], j) for j in reading], exc) from exc
             outage.recovered()
             for job_id, frame in enqueue.frames_in(reply).items():
                 if isinstance(frame, OrtqError):
                     raise frame
                 max_bytes = self.settings.max_frame_bytes
-                responses[job_id] = enqueue.read_response(frame, job_id, nonce_of.get(job_id), max_bytes)
+                responses[job_id] = enqueue.read_response(frame, job_id, proof_of.get(job_id), max_bytes)
 
-    def _unreadable_reply(self, connection: redis.Redis, job_ids: Sequence[str], exc: redis.RedisError) -> OrtqError:
+    def _unreadable_reply(
+        self, connection: redis.Redis, jobs: Sequence[tuple[str, str]], exc: redis.RedisError
+    ) -> OrtqError:
         """XREAD refused: one of the reply keys is not a stream (written by someone else), or the
         Redis user may not read them."""
         refusal = enqueue.read_refusal(exc)
@@ -380,13 +383,13 @@ class Producer:
             return refusal
         try:
             with connection.pipeline(transaction=False) as pipe:
-                for job_id in job_ids:
-                    enqueue.add_probe(pipe, job_id)
+                for model, job_id in jobs:
+                    enqueue.add_probe(pipe, model, job_id)
                 probes = pipe.execute(raise_on_error=False)
         except redis.RedisError as again:
             return faults.failure(again, "could not read replies")
-        for job_id, probe in zip(job_ids, probes, strict=True):
-            if (wrong := enqueue.wrong_reply(job_id, probe)) is not None:
+        for (model, job_id), probe in zip(jobs, probes, strict=True):
+            if (wrong := enqueue.wrong_reply(model, job_id, probe)) is not None:
                 return wrong
         return faults.failure(exc, "could not read replies")
 
@@ -396,9 +399,13 @@ class Producer:
         Raises InferenceFailed for the first job (in order) that failed, ResultTimeout if some had
         no result in time.
         """
-        models = None if self._routes is None else [job.model for job in jobs]
-        responses = self.wait_responses([job.id for job in jobs], timeout, [job.nonce for job in jobs], models)
+        responses = self.results_of(jobs, timeout)
         return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
+
+    def results_of(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[wire.Response]:
+        """The responses of many jobs, in order, each checked against its request (its proof)."""
+        models, proofs = [job.model for job in jobs], [job.proof for job in jobs]
+        return self.wait_responses([job.id for job in jobs], models, timeout, proofs)
 
     def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job (see InferenceJob.cancel)."""

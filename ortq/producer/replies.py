@@ -49,7 +49,8 @@ STARVED_SECONDS = 0.02
 @dataclass(eq=False)
 class _Waiter:
     job_id: str
-    nonce: bytes | None
+    model: str
+    proof: bytes | None
     future: asyncio.Future[wire.Response]
 
 
@@ -81,14 +82,20 @@ class ReplyReader:
     # ------------------------------------------------------------------ waiting
 
     async def wait(
-        self, job_ids: Sequence[str], nonces: Sequence[bytes | None], timeout: float, late: str | None
+        self,
+        job_ids: Sequence[str],
+        models: Sequence[str],
+        proofs: Sequence[bytes | None],
+        timeout: float,
+        late: str | None,
     ) -> list[wire.Response]:
-        """The responses of ``job_ids``, in order. Raises the first error (in order) of a job whose
-        reply cannot be read or does not answer its request, and ResultTimeout (BrokerUnavailable
-        if Redis failed meanwhile) when some are not in after ``timeout`` seconds."""
+        """The responses of ``job_ids`` (each of its model in ``models``), in order. Raises the first
+        error (in order) of a job whose reply cannot be read or does not answer its request (its
+        proof in ``proofs``), and ResultTimeout (BrokerUnavailable if Redis failed meanwhile) when
+        some are not in after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        waiters = [self._add(job_id, nonce, loop) for job_id, nonce in zip(job_ids, nonces, strict=True)]
+        waiters = [self._add(*job, loop) for job in zip(job_ids, models, proofs, strict=True)]
         try:
             if waiters:
                 await asyncio.wait(
@@ -111,10 +118,10 @@ class ReplyReader:
             for waiter in waiters:
                 self._remove(waiter)
 
-    def _add(self, job_id: str, nonce: bytes | None, loop: asyncio.AbstractEventLoop) -> _Waiter:
+    def _add(self, job_id: str, model: str, proof: bytes | None, loop: asyncio.AbstractEventLoop) -> _Waiter:
         if self._closed:
             raise BrokerUnavailable("the producer is closed (aclose): it waits for nothing any more")
-        waiter = _Waiter(job_id, nonce, loop.create_future())
+        waiter = _Waiter(job_id, model, proof, loop.create_future())
         self._waiters.setdefault(job_id, []).append(waiter)
         if self._changed is None:
             self._changed = asyncio.Event()
@@ -160,7 +167,9 @@ class ReplyReader:
         while uncovered and len(self._reads) < self._max_reads:
             ids, uncovered = uncovered[:MAX_STREAMS], uncovered[MAX_STREAMS:]
             read = _Read(frozenset(ids), loop.time())
-            task = asyncio.create_task(self._read(ids, read))
+            # Each job's model now, while it is awaited: its reply key is named by it.
+            models = {job_id: self._waiters[job_id][0].model for job_id in ids}
+            task = asyncio.create_task(self._read(models, read))
             self._reads[task] = read
             task.add_done_callback(self._read_done)
 
@@ -190,12 +199,14 @@ class ReplyReader:
         if self._changed is not None:
             self._changed.set()
 
-    async def _read(self, ids: list[str], read: _Read) -> None:
+    async def _read(self, models: dict[str, str], read: _Read) -> None:
+        """One XREAD of the replies of ``models``' jobs (job id -> its model)."""
         try:
-            reply = await self.client.xread(enqueue.reply_streams(ids), block=self._block_ms)  # type: ignore[arg-type]
+            streams = enqueue.reply_streams((model, job_id) for job_id, model in models.items())
+            reply = await self.client.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
         except redis.RedisError as exc:
             if not faults.is_down(exc):
-                await self._refused(ids, exc)
+                await self._refused(models, exc)
                 return
             self._failing = True
             self._outage_at = asyncio.get_running_loop().time()
@@ -215,30 +226,31 @@ class ReplyReader:
                     waiter.future.set_exception(type(frame)(str(frame)))
                     continue
                 try:
-                    response = enqueue.read_response(frame, job_id, waiter.nonce, self._max_bytes)
+                    response = enqueue.read_response(frame, job_id, waiter.proof, self._max_bytes)
                 except OrtqError as exc:
                     waiter.future.set_exception(exc)
                 else:
                     waiter.future.set_result(response)
 
-    async def _refused(self, ids: list[str], exc: redis.RedisError) -> None:
+    async def _refused(self, models: dict[str, str], exc: redis.RedisError) -> None:
         """XREAD refused: each key is read alone; a job whose reply key is no stream fails
         (CorruptRecord), replies found are delivered, the other jobs are read again. A refusal of
         the read itself (ACL) fails them all."""
+        ids = list(models)
         refusal = enqueue.read_refusal(exc)
         if refusal is not None:
             self._fail(ids, refusal)
             return
         try:
             async with self.client.pipeline(transaction=False) as pipe:
-                for job_id in ids:
-                    enqueue.add_probe(pipe, job_id)
+                for job_id, model in models.items():
+                    enqueue.add_probe(pipe, model, job_id)
                 probes = await pipe.execute(raise_on_error=False)
         except redis.RedisError as again:
             self._fail(ids, faults.failure(again, "could not read replies"))
             return
         for job_id, probe in zip(ids, probes, strict=True):
-            if (wrong := enqueue.wrong_reply(job_id, probe)) is not None:
+            if (wrong := enqueue.wrong_reply(models[job_id], job_id, probe)) is not None:
                 self._fail([job_id], wrong)
             elif isinstance(probe, redis.RedisError):
                 self._fail([job_id], faults.failure(probe, "could not read replies"))

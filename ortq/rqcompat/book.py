@@ -32,7 +32,8 @@ import redis
 
 from ortq import keys
 from ortq.rqcompat import layout
-from ortq.rqcompat.layout import QueueKeys, is_job_id, utcformat, utcnow
+from ortq.rqcompat.layout import QueueKeys, utcformat, utcnow
+from ortq.rqcompat.startedscan import StartedScan
 from ortq.rqjob import parse_rq_time
 from ortq.settings import frame_argument
 
@@ -54,6 +55,7 @@ JOB_FIELDS = (
     "success_callback_name",
     "failure_callback_name",
     "stopped_callback_name",
+    "origin",
 )
 _JOB_FIELD_KEYS = tuple(name.encode() for name in JOB_FIELDS)
 
@@ -102,21 +104,20 @@ class StartedJob:
 @dataclass(frozen=True)
 class Skipped:
     """A queue entry ``start`` took off the intermediate list without starting it, and why:
-    ``id`` (not a job id), ``gone`` (its record expired, as RQ skips it), ``type:<t>`` (its job key
-    is no hash), ``status:<s>`` (a second entry of a job that already ran or runs)."""
+    ``id`` (not a job id), ``answered`` (its reply exists: a job runs once), ``gone`` (its record
+    expired, as RQ skips it), ``type:<t>`` (its job key is no hash), ``status:<s>`` (a second entry
+    of a job that already ran or runs), ``origin`` (its record names another queue)."""
 
     entry: bytes
     reason: str
 
     @property
-    def expirable(self) -> bool:
-        """An entry that is no job, short enough for its records to be found and left to expire."""
-        return (self.reason == "id" or self.reason.startswith("type:")) and 0 < len(self.entry) <= 512
-
-    @property
     def answerable(self) -> bool:
-        """One that is printable text too: whoever waits for it can be told why."""
-        return self.expirable and all(0x21 <= b <= 0x7E for b in self.entry)
+        """A job id whose job key is no hash: whoever waits on it is told why (``reject``). Nothing
+        else is written for a skipped entry: not for one that is no job id (no producer waits on
+        it, and a reply stream for each would let anyone fill Redis), nor for a record that is some
+        job's (answered, running, another model's)."""
+        return self.reason.startswith("type:")
 
 
 @dataclass(slots=True)
@@ -145,6 +146,10 @@ class Retry:
 #: byte of a string entering it, ~1.3 ns a byte (0.8 ms for a 602 KB answer; docs/performance.md).
 STAGED_ANSWER_BYTES = 64 * 1024
 
+
+#: Expired registry entries one maintain call removes at most per registry (~1 ms of Redis a
+#: thousand; docs/reliability.md, "Hostile Redis").
+MAINTAIN_LIMIT = 2000
 
 #: Workers of one queue that the recovery of orphans tells apart by their tags; past that, some
 #: are known only by their jobs' execution hashes (Settings.rq_executions).
@@ -184,6 +189,7 @@ class Book:
         records = ("3" if layout.RQ3 else "2") + ("e" if executions else "")
         self._common: list[str | int] = [layout.PREFIX, records, keys.PREFIX, layout.DEFAULT_WORKER_TTL + 60]
         self._scripts = {name: connection.register_script(script_source(name)) for name in SCRIPTS}
+        self._started = StartedScan(self.queue.started)
 
     def _call(self, name: str, args: Iterable[Any], client: Any = None) -> Any:
         return self._scripts[name](keys=[], args=[*self._common, *args], client=client)
@@ -341,9 +347,9 @@ class Book:
         return bool(self._call("fail", args))
 
     def reject(self, skipped: Skipped, error: bytes, ttl: int) -> None:
-        """Answer a queue entry that is no job (``error``; b'' to only let its records expire, see
-        Skipped.answerable) so that its producer learns why."""
-        self._call("reject", [skipped.entry, error, ttl])
+        """Answer ``error`` to a job id whose job key is no hash (Skipped.answerable), unless it
+        has been answered already, so that its producer learns why."""
+        self._call("reject", [self.queue.name, skipped.entry, error, ttl])
 
     # ------------------------------------------------------------------ recovery and upkeep
 
@@ -368,9 +374,11 @@ class Book:
         moment = utcnow()
         return int(self._call("retries", [self.queue.name, moment.timestamp(), limit, utcformat(moment)]))
 
-    def maintain(self) -> list[str]:
-        """RQ's registry cleanup for this queue; the names of keys removed for holding the wrong type."""
-        return [keys.as_text(k) for k in self._call("maintain", [self.queue.name, utcnow().timestamp()])]
+    def maintain(self, limit: int = MAINTAIN_LIMIT) -> tuple[list[str], bool]:
+        """RQ's registry cleanup for this queue, at most ``limit`` expired entries per registry: the
+        names of keys removed for holding the wrong type, and whether to call again soon."""
+        removed, more = self._call("maintain", [self.queue.name, utcnow().timestamp(), limit])
+        return [keys.as_text(k) for k in removed], bool(more)
 
     def abandoned(
         self, dead_after: float, own: bool, held: frozenset[str] = frozenset(), limit: int = 1000
@@ -379,17 +387,14 @@ class Book:
         no heartbeat for ``dead_after`` seconds (or whose records are gone). With ``own``, this
         worker's own entries count too, but for those it holds (``held``: execution ids): a
         started job of its own that it does not hold is one whose start reply was lost. At most
-        ``limit`` entries are looked at per call.
+        ``limit`` entries are looked at per call, the next ones at the next call (StartedScan).
 
         A job's worker is the one of this queue's registered workers whose tag begins its
         execution id (``execution_tag``); failing that (a job started by an ortq from before
         tags), the one its execution hash names, where there is one."""
-        started = self.queue.started
-        if keys.as_text(self.connection.type(started)) != "zset":
+        if keys.as_text(self.connection.type(self.queue.started)) != "zset":
             return []
-        entries = [keys.as_text(e) for e in cast(list[bytes], self.connection.zrange(started, 0, limit - 1))]
-        parsed = [(job_id, execution) for job_id, _, execution in (e.rpartition(":") for e in entries)]
-        parsed = [(j, e) for j, e in parsed if is_job_id(j) and is_job_id(e)]
+        parsed = self._started.window(self.connection, limit)
         if not parsed:
             return []
         tags = {execution_tag(name): name for name in [self.worker_name, *self._queue_workers()]}

@@ -73,6 +73,8 @@ class Intake:
         self.on_released = on_released
         self.starting = starting if starting is not None else nullcontext()
         self.book = book
+        #: The model whose queue this is: its jobs' request keys are named by it.
+        self.model = book.queue.name[len(keys.PREFIX) :]
         self.settings = settings
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -107,7 +109,7 @@ class Intake:
             # WRONGTYPE: the queue or its intermediate list holds something else (written by
             # someone with write access): remove it, say so, and go on serving.
             log.error("taking a job failed (%s); checking the queue's keys", exc)
-            for key in self.book.maintain():
+            for key in self.book.maintain()[0]:
                 log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
             return []
         if raw is None:
@@ -130,7 +132,7 @@ class Intake:
 
         def read_first(pipe: redis.client.Pipeline) -> None:  # in the start's round trip
             if first:
-                pipe.getrange(keys.request_key(first_text), 0, limit)
+                pipe.getrange(keys.request_key(self.model, first_text), 0, limit)
 
         with self.starting:
             reply, moment, first_frame = self.book.start(first, more, min(limit, INLINE_FRAME_BYTES), read_first)
@@ -147,7 +149,8 @@ class Intake:
             # The others' frames not returned inline, except those too large to read (start.lua gave their sizes).
             rest = [job for job in started if job.job_id not in frames and 0 <= job.frame_size <= limit]
             if rest:
-                read = read_large_frames(self.connection, [keys.request_key(job.job_id) for job in rest], limit)
+                names = [keys.request_key(self.model, job.job_id) for job in rest]
+                read = read_large_frames(self.connection, names, limit)
                 frames.update(zip((job.job_id for job in rest), read, strict=True))
             taken = [Taken(job, _frame(job, frames.get(job.job_id), limit)) for job in started]
         except BaseException:
@@ -159,15 +162,17 @@ class Intake:
 
     def _skip(self, skipped: Skipped) -> None:
         """Log a queue entry that was not started, and answer it where it can be answered."""
-        what = {"id": f"not a job id ({layout.JOB_ID.pattern})", "gone": "its job record expired"}.get(
-            skipped.reason, skipped.reason
-        )
+        what = _SKIPPED.get(skipped.reason, skipped.reason)
         if skipped.reason.startswith("status:"):
             what = f"a second queue entry of a job that is already {skipped.reason[7:]}"
+        if skipped.reason.startswith("type:"):
+            what = f"its job record ({layout.job_key('<id>')}) is a {skipped.reason[5:]}, not a hash"
         log.warning("queue entry %.80r of %s skipped: %s", skipped.entry, self.book.queue.name, what)
-        if skipped.expirable:
-            message = f"queue entry {skipped.entry[:80]!r} is no ortq job: {what}"
-            error = wire.encode_error(InvalidJob.__name__, message) if skipped.answerable else b""
+        if skipped.answerable:
+            # Fixed words: this error carries no proof (its request was not read), and a producer
+            # takes such an error for its job's answer (docs/wire-format.md, "The proof").
+            message = f"this job cannot run: {what}"
+            error = wire.encode_error(InvalidJob.__name__, message)
             try:
                 self.book.reject(skipped, error, self.settings.failure_ttl)
             except Exception as exc:  # no job of this worker's waits on it: the take goes on
@@ -198,6 +203,15 @@ class Intake:
             self._suspension_checked = now
             self._suspended = bool(self.connection.exists(layout.suspended_key()))
         return self._suspended
+
+
+#: Why ``start`` skipped a queue entry, for the log.
+_SKIPPED = {
+    "id": f"not a job id ({layout.JOB_ID.pattern})",
+    "answered": "its job was answered already (a job runs once: an id pushed again is a replay)",
+    "gone": "its job record expired",
+    "origin": "its job record names another queue (the job is its own model's workers' to run)",
+}
 
 
 def _frame(job: StartedJob, reply: object, limit: int) -> bytes | bytearray | OrtqError | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ortq import keys, knownheaders, wire
-from ortq.errors import InvalidInput, InvalidJob, OrtqError, RequestExpired, UnknownJobFunction
+from ortq.errors import InvalidInput, InvalidJob, OrtqError, RequestExpired, UnknownJobFunction, WireFormatError
 from ortq.rqcompat.book import Finished, Retry, StartedJob
 from ortq.rqjob import MAX_SECONDS, JobRecord
 from ortq.serializer import MsgpackSerializer
@@ -36,8 +36,10 @@ class Pending:
     inputs: Tensors | None
     timings: dict[str, float]
     rows: int
-    nonce: bytes | None
+    #: What binds its answer to its request (wire.proof_of); None for a request without a nonce.
+    proof: bytes | None
     key: BatchKey  # which jobs it may share a run with (ortq.worker.batch)
+    model: str
     frame: bytes | bytearray | None = None
     known: knownheaders.KnownHeader | None = None
 
@@ -77,14 +79,20 @@ class Failure:
 
 def check(
     taken: Taken,
+    model: str,
     signature: ModelSignature,
     settings: Settings,
     batching: bool,
     batch_wait: float,
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None = None,
 ) -> Pending | Failure:
-    """Stage 3: decode and check one job's request; its Failure when it is bad. ``headers``: the
-    verdicts of the batch's remembered headers so far (filled in here)."""
+    """Stage 3: decode and check one job's request for ``model``; its Failure when it is bad.
+    ``headers``: the verdicts of the batch's remembered headers so far (filled in here).
+
+    The request is read first: its nonce makes the proof (wire.proof_of) that every answer below
+    carries, errors about the job's record included, so that its producer can tell an answer to its
+    own request from one to a request someone else put in its place. What fails before the nonce is
+    known (no frame, one too large or not decoding) fails unproven, in the worker's own words."""
     started = taken.started
     job = JobRecord.parse(started.job_id, started.fields)
     timings: dict[str, float] = {}
@@ -92,21 +100,13 @@ def check(
         timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
     if batching:
         timings["batch_wait"] = batch_wait
-    nonce = None
+    proof = None
     try:
-        if started.oversized is not None:  # not read: what it would have said is unknown
-            raise InvalidJob(f"job field {started.oversized!r} is larger than an ortq job's can be")
-        if job.forbidden is not None:
-            log.error("refusing job %s: %s", job.job_id, job.forbidden)
-            raise UnknownJobFunction(job.forbidden)
-        waited = timings.get("queue")
-        if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
-            raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
         frame = taken.frame
         if frame is None:
             raise RequestExpired(
-                f"the request tensors of job {job.job_id} were gone when a worker took it "
-                "(its ttl passed, or they were deleted)"
+                f"the request tensors of job {job.job_id} were gone when a worker took it (its ttl passed, or they "
+                "were deleted; a producer of ortq protocol 2 writes them where workers of protocol 3 do not look)"
             )
         if isinstance(frame, OrtqError):
             raise frame
@@ -118,12 +118,25 @@ def check(
             nonce = request.nonce
             if learned is not None and nonce is not None:
                 found = learned, nonce
+        else:
+            nonce = found[1]
+        proof = None if nonce is None else wire.proof_of(model, nonce)
+        if started.oversized is not None:  # not read: what it would have said is unknown
+            raise InvalidJob(f"job field {started.oversized!r} is larger than an ortq job's can be")
+        if job.forbidden is not None:
+            log.error("refusing job %s: %s", job.job_id, job.forbidden)
+            raise UnknownJobFunction(job.forbidden)
+        if job.model != model:
+            raise InvalidJob(f"the job's record names another model than {model!r}, the one this worker serves")
+        waited = timings.get("queue")
+        if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
+            raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
         verdict: HeaderVerdict | None
         if found is None:
             inputs = request.inputs
             verdict = header_verdict(inputs, signature, batching)
         else:
-            known, nonce = found
+            known = found[0]
             # The header declares the names, dtypes and shapes that the checks look at: one frame's
             # verdict is every frame's with it.
             verdict = None if headers is None else headers.get(known)
@@ -132,14 +145,14 @@ def check(
                 if headers is not None:
                     headers[known] = verdict
         if isinstance(verdict, Exception):
-            return failure(started, job, verdict, timings, nonce, settings)
+            return failure(started, job, verdict, timings, proof, settings)
         rows, key = verdict
         timings["decode"] = time.perf_counter() - t0
     except Exception as exc:
-        return failure(started, job, exc, timings, nonce, settings)
+        return failure(started, job, exc, timings, proof, settings)
     if found is None:
-        return Pending(job, started, inputs, timings, rows, nonce, key)
-    return Pending(job, started, None, timings, rows, nonce, key, frame, known)
+        return Pending(job, started, inputs, timings, rows, proof, key, model)
+    return Pending(job, started, None, timings, rows, proof, key, model, frame, known)
 
 
 def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -> HeaderVerdict:
@@ -152,14 +165,14 @@ def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -
 
 
 def check_all(
-    taken: list[Taken], signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
+    taken: list[Taken], model: str, signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
 ) -> tuple[list[Pending], list[Failure]]:
     """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
     pending: list[Pending] = []
     failures: list[Failure] = []
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] = {}
     for item in taken:
-        checked = check(item, signature, settings, batching, batch_wait, headers)
+        checked = check(item, model, signature, settings, batching, batch_wait, headers)
         if isinstance(checked, Pending):
             pending.append(checked)
         else:
@@ -172,12 +185,14 @@ def failure(
     job: JobRecord,
     exc: BaseException,
     timings: dict[str, float],
-    nonce: bytes | None,
+    proof: bytes | None,
     settings: Settings,
 ) -> Failure:
-    """How one job fails: its error reply and RQ's failure records; or, when it has retries left
-    and the failure is not the job's own fault (an OrtqError: bad input, expiry, a timeout), back
-    for another attempt."""
+    """How one job fails: its error reply (with ``proof``, when its request was read) and RQ's
+    failure records; or, when it has retries left and the failure is not the job's own fault (an
+    OrtqError: bad input, expiry, a timeout), back for another attempt. An unproven reply keeps to
+    words of the worker's own (its producer takes it for its answer: docs/wire-format.md): a frame
+    that does not decode is said to, why is in RQ's record and the worker's log."""
     error_type = type(exc).__name__
     message = str(exc) or error_type
     retry = None
@@ -187,8 +202,10 @@ def failure(
         waiting = min(job.ttl, settings.request_ttl) if job.ttl and job.ttl > 0 else settings.request_ttl
         ttl = wait + waiting + ttl_of(job.failure_ttl, settings.failure_ttl)
         retry = Retry(job.retries_left - 1, time.time() + wait if wait else None, ttl)
-    error = wire.encode_error(error_type, message, timings, nonce)
     reason = f"{error_type}: {message}"
+    if proof is None and type(exc) is WireFormatError:  # its message quotes the frame: anyone's bytes
+        message = "the request frame does not decode as an ortq request (why: RQ's failure record, the worker's log)"
+    error = wire.encode_error(error_type, message, timings, proof)
     return Failure(started, error_type, error, ttl_of(job.failure_ttl, settings.failure_ttl), reason, retry, timings)
 
 
@@ -213,7 +230,7 @@ class Computed:
         try:
             return finished(self, settings.rq_results)
         except Exception as exc:
-            return failure(member.started, member.job, exc, {**member.timings, "run": self.run}, member.nonce, settings)
+            return failure(member.started, member.job, exc, {**member.timings, "run": self.run}, member.proof, settings)
 
 
 def layout_of(outputs: dict[str, np.ndarray]) -> wire.Layout | None:
@@ -230,12 +247,12 @@ def finished(computed: Computed, rq_result: bool = True) -> Finished:
     member, outputs, layout = computed.member, computed.outputs, computed.layout
     timings = {**member.timings, "run": computed.run}
     t0 = time.perf_counter()
-    frame = wire.encode_laid_out(outputs, layout, timings, member.nonce)
+    frame = wire.encode_laid_out(outputs, layout, timings, member.proof)
     timings["encode"] = time.perf_counter() - t0
     if not rq_result:
         return Finished(member.started, frame, computed.ttl, None, timings)
     summary = {
-        "reply_key": keys.reply_key(member.job.job_id),
+        "reply_key": keys.reply_key(member.model, member.job.job_id),
         "outputs": layout.shapes if layout is not None else _shapes(outputs),
         "batch_size": computed.batch_size,
         "timings": timings,

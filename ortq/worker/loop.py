@@ -289,7 +289,7 @@ class Worker:
         """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""
         batching = self.max_batch > 1
         pending, outcome.failures = jobs.check_all(
-            batch.taken, self.model.signature, self.settings, batching, batch.batch_wait
+            batch.taken, self.identity.model, self.model.signature, self.settings, batching, batch.batch_wait
         )
         for members in group(pending, lambda p: p.key, self.max_batch, lambda p: p.rows):
             self._run_group(members, outcome)
@@ -336,4 +336,4 @@ class Worker:
             outcome.computed.append(jobs.Computed(member, outputs_of_job, run, size, ttl, layouts[member.rows]))
 
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
-        return jobs.failure(member.started, member.job, exc, member.timings, member.nonce, self.settings)
+        return jobs.failure(member.started, member.job, exc, member.timings, member.proof, self.settings)

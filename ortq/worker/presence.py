@@ -40,7 +40,8 @@ class Presence:
         self.settings = settings
         self.records = WorkerRecords(name, queue_name, executions=settings.rq_executions)
         self.state = "started"
-        self._signature_json = json.dumps({"model": identity.model, **signature.to_json()})
+        record = {"model": identity.model, "protocol": keys.PROTOCOL, **signature.to_json()}
+        self._signature_json = json.dumps(record)
         #: The jobs the worker holds (started, not yet answered, handed on or released).
         self.ledger = Ledger()
         #: Held by the feeder from sending a start script until its jobs are held, and by the

@@ -28,6 +28,10 @@ T = TypeVar("T")
 #: has not delivered yet); past it, it exits and the surviving workers take its jobs back.
 REDIS_OUTAGE_LIMIT = 120.0
 
+#: Calls of the registry cleanup in one run at most (each removes at most book.MAINTAIN_LIMIT
+#: entries a registry, ~2 ms of Redis).
+MAINTAIN_CALLS = 10
+
 #: How many times a job may be taken back from a dead worker before it is failed instead.
 MAX_RECOVERIES = 2
 
@@ -61,8 +65,7 @@ class Upkeep:
         if self._every("retries", self.EVERY["retries"]):
             self.book.due_retries()
         if self._every("registries", self.EVERY["registries"]):
-            for key in self.book.maintain():
-                log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
+            self.maintain()
             prune_workers(self.book.connection, self.book.queue.name)
         if self._every("functions", self.EVERY["functions"]):
             ensure_functions(self.book.connection)
@@ -73,6 +76,18 @@ class Upkeep:
         one it let go after a failed answer."""
         if self._every("own", self.settings.heartbeat_seconds / 2):
             self.recover_abandoned(own=True, held=held)
+
+    def maintain(self) -> None:
+        """RQ's registry cleanup, in bounded calls: a registry with more expired entries than a few
+        calls remove (millions of forged ones) is worked through at most MAINTAIN_CALLS calls a
+        second, never blocking Redis for longer than one."""
+        for _ in range(MAINTAIN_CALLS):
+            removed, more = self.book.maintain()
+            for key in removed:
+                log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
+            if not more:
+                return
+        self._due["registries"] = time.monotonic() + 1.0  # the rest in a second
 
     def rescue(self) -> None:
         for _ in range(10):  # a long hostile list is worked through in bounded steps

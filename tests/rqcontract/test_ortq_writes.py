@@ -81,7 +81,9 @@ class OrtqSide:
         self.model = f"rqc-{scenario}-{token}"
         self.queue = keys.queue_name(self.model)
         self.worker = f"rqcw-{token}"
-        connection.set(keys.signature_key(self.model), json.dumps({"model": self.model, **SIGNATURE}))
+        connection.set(
+            keys.signature_key(self.model), json.dumps({"model": self.model, "protocol": keys.PROTOCOL, **SIGNATURE})
+        )
         settings = Settings(redis_url=url, result_ttl=reference.RESULT_TTL, failure_ttl=reference.FAILURE_TTL)
         self.producer = Producer(settings=settings)
         self.records = WorkerRecords(self.worker, self.queue)

@@ -3,7 +3,7 @@ import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { test } from 'node:test';
 import { encode } from '@msgpack/msgpack';
-import { decodeResponse, encodeRequest } from '../frame.mjs';
+import { decodeResponse, encodeRequest, proofOf } from '../frame.mjs';
 
 const DOC = readFileSync(new URL('../../../docs/wire-format.md', import.meta.url), 'utf8');
 
@@ -36,9 +36,9 @@ test('a response decodes to typed arrays, at any offsets', () => {
   const data = Buffer.alloc(3 + 16);
   data.writeBigInt64LE(-5n, 3);
   data.writeBigInt64LE(2n ** 62n, 11);
-  const nonce = Buffer.alloc(16, 7);
+  const proof = Buffer.alloc(32, 7);
   const frame = responseFrame({
-    v: 1, kind: 'response', ok: true, nonce, timings: { run: 0.5, queue: 1 },
+    v: 1, kind: 'response', ok: true, proof, timings: { run: 0.5, queue: 1 },
     outputs: { i: { dtype: 'int64', shape: [2, 1], offset: 3, nbytes: 16 }, e: { dtype: 'float32', shape: [0, 5], offset: 0, nbytes: 0 } },
   }, data);
   const response = decodeResponse(frame);
@@ -46,12 +46,22 @@ test('a response decodes to typed arrays, at any offsets', () => {
   assert.deepEqual(response.outputs.i, { dtype: 'int64', shape: [2, 1], data: new BigInt64Array([-5n, 2n ** 62n]) });
   assert.deepEqual(response.outputs.e.shape, [0, 5]);
   assert.deepEqual(response.timings, { run: 0.5, queue: 1 });
-  assert.ok(response.nonce.equals(nonce));
+  assert.ok(response.proof.equals(proof));
+});
+
+test("the proof is SHA-256 of the model's UTF-8 name, a newline and the nonce (as ortq.wire.proof_of)", () => {
+  assert.equal(proofOf('tiny', Buffer.from([...Array(16).keys()])).toString('hex'), '7700edef92c7e2b9589139ed49e3b1e72b9c3d74fb63a0b3a208aa95c85ba896');
+  assert.equal(proofOf('m\u00f6del', Buffer.alloc(16, 7)).toString('hex'), '34b05a5861dfaad7f9a8a54a012e17c3d237ee4f053c1a15facab127c510b0f4');
+});
+
+test("a protocol 2 response's nonce is ignored; its proof is null", () => {
+  const header = { v: 1, kind: 'response', ok: false, nonce: Buffer.alloc(4), error: { type: 'InvalidInput', message: 'no' } };
+  assert.equal(decodeResponse(responseFrame(header)).proof, null);
 });
 
 test('a failed response', () => {
   const response = decodeResponse(responseFrame({ v: 1, kind: 'response', ok: false, error: { type: 'InvalidInput', message: 'no' } }));
-  assert.deepEqual([response.ok, response.error, response.nonce], [false, { type: 'InvalidInput', message: 'no' }, null]);
+  assert.deepEqual([response.ok, response.error, response.proof], [false, { type: 'InvalidInput', message: 'no' }, null]);
 });
 
 test('hostile frames are WireFormatErrors, never reads outside the frame', () => {
@@ -65,8 +75,11 @@ test('hostile frames are WireFormatErrors, never reads outside the frame', () =>
     responseFrame({ ...good, v: true }, Buffer.alloc(4)),
     responseFrame({ ...good, kind: 'request' }, Buffer.alloc(4)),
     responseFrame({ ...good, ok: 1 }, Buffer.alloc(4)),
-    responseFrame({ ...good, nonce: Buffer.alloc(4) }, Buffer.alloc(4)),
-    responseFrame({ ...good, nonce: 'a string nonce!!' }, Buffer.alloc(4)),
+    responseFrame({ ...good, proof: Buffer.alloc(4) }, Buffer.alloc(4)),
+    responseFrame({ ...good, proof: Buffer.alloc(33) }, Buffer.alloc(4)),
+    responseFrame({ ...good, proof: 'a string proof, 32 characters!!' }, Buffer.alloc(4)),
+    responseFrame({ ...good, proof: 32 }, Buffer.alloc(4)),
+    responseFrame({ v: 1, kind: 'response', ok: false, proof: Buffer.alloc(16), error: { type: 'WorkerLost', message: 'x' } }),
     responseFrame({ ...good, outputs: { y: { dtype: 'uint8', shape: [5], offset: 0, nbytes: 4 } } }, Buffer.alloc(4)),
     responseFrame({ ...good, outputs: { y: { dtype: 'uint8', shape: [-4], offset: 0, nbytes: 4 } } }, Buffer.alloc(4)),
     responseFrame({ ...good, outputs: { y: { dtype: 'string', shape: [4], offset: 0, nbytes: 4 } } }, Buffer.alloc(4)),

@@ -49,6 +49,11 @@ local function job_key(id) return PREFIX .. ':job:' .. id end
 local function wip_key(queue) return PREFIX .. ':wip:' .. queue end
 local function queue_key(queue) return PREFIX .. ':queue:' .. queue end
 local function worker_key(worker) return PREFIX .. ':worker:' .. worker end
+-- A job's request frame and reply, named by its model (the queue's name less ORTQ: ortq:<model>),
+-- so that a per-model ACL rule covers them (docs/security.md).
+local function model_of(queue) return string.sub(queue, #ORTQ + 1) end
+local function request_key(queue, id) return ORTQ .. 'req:' .. model_of(queue) .. ':' .. id end
+local function reply_key(queue, id) return ORTQ .. 'reply:' .. model_of(queue) .. ':' .. id end
 
 -- The command `head` (its name and any key: {'ZADD', key}) with `items` after it, in calls of at
 -- most CHUNK items: Lua's unpack takes a few thousand values at most, and a batch may be larger.
@@ -71,16 +76,17 @@ end
 
 -- A job's reply stream: its one response frame as the only entry (producers read it with XREAD,
 -- which writes nothing). The key must be empty first: see answer.
-local function post(id, frame, ttl)
-  local reply = ORTQ .. 'reply:' .. id
+local function post(queue, id, frame, ttl)
+  local reply = reply_key(queue, id)
   redis.call('XADD', reply, '*', 'frame', frame)
   redis.call('EXPIRE', reply, ttl)
 end
 
--- Answer a job: whatever was in its reply key is replaced, so a job is answered once.
-local function answer(id, frame, ttl)
-  redis.call('DEL', ORTQ .. 'reply:' .. id)
-  post(id, frame, ttl)
+-- Answer a job: whatever was in its reply key is replaced, so a job is answered once (start.lua
+-- starts no job whose reply stream exists).
+local function answer(queue, id, frame, ttl)
+  redis.call('DEL', reply_key(queue, id))
+  post(queue, id, frame, ttl)
 end
 
 -- The reply of a redis.pcall on a key that anyone may have filled with another type or content:

@@ -15,8 +15,8 @@ local ttl, now, retry = tonumber(ARGV[11]), tonumber(ARGV[13]), ARGV[17]
 local job = job_key(id)
 local is_hash = kind(job) == 'hash'
 if retry == '' then
-  answer(id, ARGV[10], ttl)
-  redis.call('DEL', ORTQ .. 'req:' .. id)
+  answer(queue, id, ARGV[10], ttl)
+  redis.call('DEL', request_key(queue, id))
   if is_hash then
     redis.call('HSET', job, 'status', 'failed', 'ended_at', ARGV[14])
     redis.call('EXPIRE', job, ttl)

@@ -32,8 +32,8 @@ if type(scores) == 'table' and not scores.err then
       local id = jobs[j][1]
       -- the reply key emptied (see answer; a staged answer's RENAME replaces it), the request and
       -- the execution hash deleted: one DEL
-      if not staged then table.insert(gone, ORTQ .. 'reply:' .. id) end
-      table.insert(gone, ORTQ .. 'req:' .. id)
+      if not staged then table.insert(gone, reply_key(queue, id)) end
+      table.insert(gone, request_key(queue, id))
       if EXECUTIONS then table.insert(gone, PREFIX .. ':execution:' .. composites[j]) end
     end
   end
@@ -43,7 +43,7 @@ for _, j in ipairs(live) do
   answered[j] = true
   -- Staged answers first, before anything is written: a RENAME the ACL refuses (a worker rule
   -- from before +rename) then ends the call having changed nothing.
-  if jobs[j][7] == 1 then redis.call('RENAME', stage_key(j), ORTQ .. 'reply:' .. jobs[j][1]) end
+  if jobs[j][7] == 1 then redis.call('RENAME', stage_key(j), reply_key(queue, jobs[j][1])) end
 end
 for j = 1, n do  -- the stages of answers this call does not post (taken back meanwhile)
   if jobs[j][7] == 1 and not answered[j] then table.insert(gone, stage_key(j)) end
@@ -54,9 +54,9 @@ local ended_whole = math.floor(tonumber(ended_at))
 for _, j in ipairs(live) do
   local id, execution, ttl, spent, value, started_at, staged = unpack(jobs[j])
   if staged == 1 then  -- renamed above: the whole stream, its one entry, no byte copied
-    redis.call('EXPIRE', ORTQ .. 'reply:' .. id, ttl)
+    redis.call('EXPIRE', reply_key(queue, id), ttl)
   else
-    post(id, ARGV[11 + j], ttl)
+    post(queue, id, ARGV[11 + j], ttl)
   end
   local job = job_key(id)
   local set = redis.pcall('HSET', job, 'status', 'finished', 'ended_at', ended_iso)

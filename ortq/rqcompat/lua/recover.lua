@@ -10,7 +10,7 @@ if not owns(queue, id, execution) then return false end
 end_execution(queue, id, execution, ARGV[8])
 local job = job_key(id)
 if kind(job) ~= 'hash' then
-  redis.call('DEL', ORTQ .. 'req:' .. id)
+  redis.call('DEL', request_key(queue, id))
   return 'gone'
 end
 local times = number(redis.call('HGET', job, 'ortq_recoveries'), 0) + 1
@@ -27,8 +27,8 @@ if times > tonumber(ARGV[9]) then
   redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '2', 'worker_name', ARGV[8],
              'exc_string', ARGV[14], 'execution_id', execution, 'execution_ended_at', ARGV[11])
   redis.call('EXPIRE', results, ttl)
-  answer(id, ARGV[13], ttl)
-  redis.call('DEL', ORTQ .. 'req:' .. id)
+  answer(queue, id, ARGV[13], ttl)
+  redis.call('DEL', request_key(queue, id))
   return 'failed'
 end
 redis.call('HSET', job, 'status', 'queued')

@@ -1,15 +1,13 @@
--- Answer a queue entry that start.lua would not start because its record is no job (an id
--- outside RQ's rule, a job key that is not a hash), so that whoever waits on it learns why
--- instead of timing out. Nothing is started and no registry is touched; the record is left to
--- expire. The caller passes entries of at most 512 bytes; an empty error frame (an entry that is
--- not printable text, which no producer can wait on) only sets the expiry.
--- ARGV: 5 entry, 6 error frame or '', 7 failure ttl (s)
-local id, ttl = ARGV[5], tonumber(ARGV[7])
-if ARGV[6] ~= '' then
-  answer(id, ARGV[6], ttl)
-  redis.call('DEL', ORTQ .. 'req:' .. id)
-end
+-- Answer a queue entry that start.lua would not start because its job key is no hash, so that
+-- whoever waits on it learns why instead of timing out (start.lua checked that the entry is a job
+-- id and that no reply exists: a job is answered once). Nothing is started and no registry is
+-- touched; the job key is left to expire. An entry that is no job id gets nothing: no reply
+-- stream is made for a name no producer could have enqueued.
+-- ARGV: 5 queue name, 6 job id, 7 error frame, 8 failure ttl (s)
+local queue, id, ttl = ARGV[5], ARGV[6], tonumber(ARGV[8])
+if kind(reply_key(queue, id)) == 'stream' then return 0 end
+answer(queue, id, ARGV[7], ttl)
+redis.call('DEL', request_key(queue, id))
 local job = job_key(id)
-if kind(job) == 'hash' then redis.call('HSET', job, 'status', 'failed') end
 if kind(job) ~= 'none' then redis.call('EXPIRE', job, ttl) end
 return 1

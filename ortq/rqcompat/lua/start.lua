@@ -13,6 +13,11 @@
 -- no larger than ARGV[11] and not ARGV[12]'s (read beside the call), else false} per job;
 -- skipped = {entry (cut to 200 bytes), reason} per queue entry not started; left = the queue's
 -- length after the call (its backlog).
+-- Not started (skipped, and left as they are): an entry that is no job id; a job whose reply exists
+-- ('answered': a job is answered once, and an id pushed again, whatever its record now says, is a
+-- replay); a job whose record is gone or no hash; one whose status says it runs, ran or waits
+-- elsewhere; one whose `origin` is another queue (pushed onto this model's queue by someone else:
+-- it is its own model's workers' to run).
 -- Work per call is linear in the jobs it takes; the intermediate list is searched from its tail,
 -- where BLMOVE put the first id.
 local queue_name, worker = ARGV[5], ARGV[6]
@@ -25,7 +30,9 @@ local index = wkey .. ':executions'
 -- The job hash fields ortq reads, in book.JOB_FIELDS' order; never HGETALL (a forged hash may have
 -- millions of fields), and each field's size checked first (one may be hundreds of MB).
 local FIELDS = {'status', 'data', 'enqueued_at', 'timeout', 'ttl', 'result_ttl', 'failure_ttl', 'retries_left',
-                'retry_intervals', 'success_callback_name', 'failure_callback_name', 'stopped_callback_name'}
+                'retry_intervals', 'success_callback_name', 'failure_callback_name', 'stopped_callback_name',
+                'origin'}
+local ORIGIN = #FIELDS
 local MAX_FIELD = 65536
 -- RQ's statuses of a job that is running, has ended, or waits somewhere other than the queue.
 local ELSEWHERE = {started = true, finished = true, failed = true, stopped = true, canceled = true,
@@ -56,6 +63,9 @@ end
 
 local function start(id, execution)
   if #id > 128 or not string.match(id, '^[%w_%-]+$') then return skip(id, 'id') end
+  -- Answered already: its reply stream is there (a key of another type is none of ortq's: the
+  -- answer replaces it).
+  if kind(reply_key(queue_name, id)) == 'stream' then return skip(id, 'answered') end
   local job = job_key(id)
   local t = kind(job)
   if t == 'none' then return skip(id, 'gone') end  -- expired while it waited: RQ skips it too
@@ -70,17 +80,19 @@ local function start(id, execution)
       if redis.call('HSTRLEN', job, field) > MAX_FIELD then oversized = field end
     end
   end
-  local values, status = {}, false
+  local values, status, origin = {}, false, false
   if oversized == '' then
     values = redis.call('HMGET', job, unpack(FIELDS))
-    status = values[1]
-  elseif oversized ~= 'status' then
-    status = redis.call('HGET', job, 'status')
+    status, origin = values[1], values[ORIGIN]
+  else
+    if oversized ~= 'status' then status = redis.call('HGET', job, 'status') end
+    if oversized ~= 'origin' then origin = redis.call('HGET', job, 'origin') end
   end
   -- A job that RQ's status says runs, ran or waits elsewhere is not started: this is a second queue
   -- entry of it (pushed twice), and starting it again would answer it twice. Any other status
   -- (queued, none, or no status of RQ's at all) starts, and the job is answered.
   if status and ELSEWHERE[status] then return skip(id, 'status:' .. status) end
+  if origin ~= queue_name then return skip(id, 'origin') end
   -- RQ's SimpleWorker.get_heartbeat_ttl: the job's timeout + 60 s, else its default
   local timeout = number(values[4], 0)
   local ttl = default_ttl
@@ -106,7 +118,7 @@ local function start(id, execution)
   last_ttl = ttl
   redis.call('HSET', job, 'last_heartbeat', now_iso, 'status', 'started', 'started_at', now_iso, 'worker_name', worker)
   redis.call('PERSIST', job)
-  local request = ORTQ .. 'req:' .. id
+  local request = request_key(queue_name, id)
   local size = unless_acl(redis.pcall('STRLEN', request), 'STRLEN')
   if type(size) == 'table' then size = -2 elseif size == 0 and redis.call('EXISTS', request) == 0 then size = -1 end
   -- A small frame comes back here, saving a round trip; ARGV[12]'s (first) is read beside this call,

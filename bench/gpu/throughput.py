@@ -271,7 +271,7 @@ def ortq_drain(
             session = session_for(model, "cpu")
             want = [session.run(None, x)[0] for x in inputs]
             sampled = [jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))]
-            responses = producer.results_of(sampled, 60)
+            responses = responses_of(producer, sampled)
             checked = [outputs_of(response, j.id) for response, j in zip(responses, sampled, strict=True)]
             worst, close = agreement(checked, [want[(i * max(1, work.jobs // 200)) % 8] for i in range(len(checked))])
             # Each answer's "run": its group's run as the worker's main thread timed it (the inputs
@@ -316,6 +316,15 @@ def agreement(got: list[dict[str, np.ndarray]], want: list[np.ndarray]) -> tuple
         except CanaryMismatch:
             close = False
     return worst, close
+
+
+def responses_of(producer: Any, jobs: list[Any]) -> list[Any]:
+    """The sampled jobs' responses, each checked against its request: through ``results_of``
+    (protocol 3), or for an older tree's ortq (bench/gpu/ab_on_h200.sh measures one with this
+    bench) its ``wait_responses`` with the nonces."""
+    if hasattr(producer, "results_of"):
+        return list(producer.results_of(jobs, 60))
+    return list(producer.wait_responses([j.id for j in jobs], 60, [j.nonce for j in jobs]))
 
 
 def measure(

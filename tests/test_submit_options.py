@@ -189,3 +189,24 @@ def test_ortq_infer_of_a_mistyped_model_fails_at_once(
 def test_the_producer_limits_are_the_worker_limits() -> None:
     assert enqueue.MAX_SECONDS == rqjob.MAX_SECONDS
     assert checks.MAX_RETRIES == rqjob.MAX_RETRIES
+
+
+@KINDS
+def test_infer_takes_the_per_job_options_submit_takes(
+    kind: str, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path
+) -> None:
+    """The options reach the job: a run longer than ``job_timeout`` is stopped (JobTimeout), and a
+    bad option is refused before anything is enqueued, as ``submit`` refuses it."""
+    from ortq.errors import InferenceFailed
+    from tests import onnx_models
+
+    slow = onnx_models.timed_slow_model(models_dir / "infer-options-slow.onnx", 4.0)
+    workers.serve(slow, model_name, redis_url)
+    call = using(kind, redis_url)
+    x = {"x": np.full((1, 256), 0.01, np.float32)}
+    with pytest.raises(InferenceFailed, match="JobTimeout"):
+        call("infer", model_name, x, 30, job_timeout=1, retries=0, priority="high")
+    with pytest.raises(ConfigurationError, match="priority"):
+        call("infer", model_name, x, 30, priority="urgent")
+    with redis.Redis.from_url(redis_url) as connection:
+        assert connection.llen(keys.queue_key(model_name)) == 0

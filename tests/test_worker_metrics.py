@@ -106,3 +106,24 @@ def test_worker_with_its_metrics_port_taken_stops_before_loading_the_model(
     log = workers.logs()
     assert "already uses this --metrics-port" in log
     assert "loaded on" not in log, log  # refused before the session was created
+
+
+def test_sigterm_turns_ready_503_at_once_while_the_job_in_hand_finishes(
+    workers: WorkerProcesses, producer: Producer, model_name: str, models_dir: Path
+) -> None:
+    """Kubernetes sends SIGTERM and stops routing by /ready: it must answer 503 at once, not when
+    the worker has finished its job and gone, and the log must say what the worker does now."""
+    slow = onnx_models.timed_slow_model(models_dir / "sigterm-ready-slow.onnx", 3.0)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = workers.start(slow, model_name, producer.settings.redis_url, "--metrics-port", str(port))
+    eventually(lambda: _get(base + "/ready")[0] == 200, timeout=60)
+    x = np.full((1, 256), 0.01, np.float32)
+    job = producer.submit(model_name, {"x": x})
+    eventually(lambda: job.status() == "started")
+    process.terminate()
+    eventually(lambda: _get(base + "/ready")[0] == 503, timeout=2)
+    assert process.poll() is None  # still finishing its job
+    assert job.result(timeout=60)["y"].shape == (1, 256)
+    assert process.wait(30) == 0
+    assert "SIGTERM: worker" in workers.logs() and "/ready answers 503 from now" in workers.logs()

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import redis
@@ -26,7 +26,7 @@ from ortq import keys, wire
 from ortq.control import MAX_WORKERS
 from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
-from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.producer.enqueue import JobOptions, SubmitOptions, add_enqueue
 from ortq.producer.replies import ReplyReader
 from ortq.producer.routes import Routes
 from ortq.settings import Settings, redacted_url
@@ -333,14 +333,16 @@ class AsyncProducer:
             raise enqueue.enqueue_failure(model, broken, len(ids))
         return ids
 
-    async def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
-        """Submit one job and await its outputs.
+    async def infer(
+        self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0, **options: Unpack[SubmitOptions]
+    ) -> dict[str, np.ndarray]:
+        """Submit one job (``options``: those of :meth:`submit`) and await its outputs.
 
         If it times out (ResultTimeout, or the awaiting task is cancelled, as by ``asyncio.wait_for``
         or a client that went away), the job is taken off the queue if no worker has started it.
         """
         checks.wait_timeout(timeout)
-        job = await self.submit(model, inputs)
+        job = await self.submit(model, inputs, **options)
         try:
             return await job.result(timeout)
         except ResultTimeout:

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar
 from uuid import uuid4
 
 import redis
@@ -70,6 +70,16 @@ class JobOptions:
     def wait_ttl(self) -> int:
         """Seconds the job and its request frame wait for a worker at most."""
         return self.request_ttl if self.ttl is None else min(self.request_ttl, self.ttl)
+
+
+class SubmitOptions(TypedDict, total=False):
+    """The per-job options of ``submit`` (see Producer.submit), which ``infer`` passes on."""
+
+    ttl: float | None
+    job_timeout: float | None
+    retries: int
+    retry_backoff: float
+    priority: str
 
 
 def new_nonce() -> bytes:

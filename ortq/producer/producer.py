@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import numpy as np
 import redis
@@ -18,7 +18,7 @@ from ortq import keys, wire
 from ortq.control import MAX_WORKERS
 from ortq.errors import BrokerUnavailable, OrtqError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
-from ortq.producer.enqueue import JobOptions, add_enqueue
+from ortq.producer.enqueue import JobOptions, SubmitOptions, add_enqueue
 from ortq.producer.routes import Routes
 from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
@@ -283,14 +283,16 @@ class Producer:
             raise enqueue.enqueue_failure(model, broken, len(ids))
         return ids
 
-    def infer(self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0) -> dict[str, np.ndarray]:
-        """Submit one job and wait for its outputs.
+    def infer(
+        self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0, **options: Unpack[SubmitOptions]
+    ) -> dict[str, np.ndarray]:
+        """Submit one job (``options``: those of :meth:`submit`) and wait for its outputs.
 
         On ResultTimeout the job is taken off the queue if no worker has started it, so that no
         worker spends time on an answer nobody waits for.
         """
         checks.wait_timeout(timeout)
-        job = self.submit(model, inputs)
+        job = self.submit(model, inputs, **options)
         try:
             return job.result(timeout)
         except ResultTimeout:

@@ -47,6 +47,7 @@ from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threa
 from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
+from ortq.worker.signals import StopSignals
 from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS, Progress
 
@@ -161,17 +162,20 @@ class Worker:
         log.info("worker %s stopped (exit status %d)", self.name, status)
         return status
 
-    def request_stop(self, *_: Any) -> None:
-        """A warm stop: finish the batch in hand, unregister, exit 0."""
+    def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
+        """A warm stop: finish the batch in hand, unregister, exit 0. For a stop signal, with its
+        number (ortq.worker.signals: Kubernetes sends SIGTERM, and /ready answers 503 at once)."""
         if self.stop_requested.is_set():
             log.warning("worker %s is already stopping; it finishes its current batch first", self.name)
+        else:
+            why = signal.Signals(signum).name if signum is not None else "stop requested"
+            log.info("%s: worker %s takes no more jobs, finishes the %d it holds, then unregisters and exits; "
+                     "/ready answers 503 from now", why, self.name, len(self.ledger.held()))  # fmt: skip
         self.stop_requested.set()
         self._ready(False)
 
     def _install_signal_handlers(self) -> None:
-        for name in ("SIGINT", "SIGTERM", "SIGBREAK"):  # SIGBREAK: CTRL_BREAK_EVENT on Windows
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), self.request_stop)
+        StopSignals(self.request_stop).install()  # seen at once, even during session.run
 
     def _ready(self, ready: bool) -> None:
         if self.metrics is not None:

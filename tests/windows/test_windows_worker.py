@@ -221,16 +221,19 @@ ntdll = ctypes.WinDLL("ntdll")
 wine_version = getattr(ntdll, "wine_get_version", None)
 if wine_version is not None:
     wine_version.restype = ctypes.c_char_p
+from ortq.worker import signals
 worker = object.__new__(Worker)   # only to install its signal handlers, as serve() does
 worker._install_signal_handlers()
+wakeup = signal.set_wakeup_fd(-1)  # the socket the C-level handler writes each signal to (and reset)
 print(json.dumps({
     "platform": sys.platform, "os_name": os.name, "version": sys.version.split()[0],
     "wine": wine_version().decode() if wine_version is not None else None,
     "ortq_file": ortq.__file__, "rq": rq.__version__,
     "has_fork": hasattr(os, "fork"), "has_sigalrm": hasattr(signal, "SIGALRM"),
     "rq_classes": [c.__module__ for c in Worker.__mro__ if c.__module__.startswith("rq")],
-    "handlers": {name: signal.getsignal(getattr(signal, name)) == worker.request_stop
+    "handlers": {name: signal.getsignal(getattr(signal, name)) is signals.handled_by_the_watch
                  for name in ("SIGINT", "SIGTERM", "SIGBREAK")},
+    "wakeup_socket": wakeup != -1,
 }))
 """
 
@@ -243,6 +246,7 @@ def test_windows_code_paths(wine: WineSession) -> None:
     assert probe["has_fork"] is False and probe["has_sigalrm"] is False, probe
     assert probe["rq_classes"] == [], "the worker runs no RQ code: nothing of RQ's to fork or alarm"
     assert probe["handlers"] == {"SIGINT": True, "SIGTERM": True, "SIGBREAK": True}, probe
+    assert probe["wakeup_socket"], probe  # stop signals are seen at once (ortq.worker.signals)
 
 
 # ------------------------------------------------------------------------------------ 3. clean shutdown

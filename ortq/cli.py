@@ -11,8 +11,9 @@ from typing import Any
 import click
 import redis
 
+from ortq import __version__
 from ortq.cliopts import redis_url_option, shards_option
-from ortq.errors import BrokerUnavailable, OrtqError, exit_status
+from ortq.errors import EXIT_CONFIGURATION, BrokerUnavailable, OrtqError, exit_status
 from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
@@ -53,6 +54,7 @@ def _connect_to(settings: Settings) -> redis.Redis:
   130 interrupted (Ctrl-C)
 """
 )
+@click.version_option(__version__, "--version", prog_name="ortq", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 def main(verbose: bool) -> None:
     """ortq: run ONNX models behind Redis queues, one ONNX Runtime session per worker process."""
@@ -300,8 +302,11 @@ def adapters(as_json: bool, ep_library: Path | None, ep_name: str | None) -> Non
 @_REDIS_URL
 @_SHARDS
 def info(as_json: bool, redis_url: str | None, shards: str | None) -> None:
-    """Show models, their workers (provider, device, host, pid) and queue depths (of every Redis
-    of the shard map, if there is one)."""
+    """Show models, their workers (state, provider, device, host, pid, last heartbeat) and queue depths
+    (of every Redis of the shard map, if there is one).
+
+    A worker that sent no heartbeat for 3 heartbeat intervals (its own, else $ORTQ_HEARTBEAT_SECONDS,
+    5 s) is shown as gone: killed, or its host lost; its jobs go to the other workers."""
     from ortq.info import format_info
 
     data = _info_data(_sharded_settings(redis_url, shards))
@@ -312,10 +317,10 @@ def _info_data(settings: Settings) -> dict[str, Any]:
     """``ortq info``'s data: of one Redis, or of every Redis the shard map names."""
     from ortq.info import collect, collect_shards
 
-    shards = settings.shards
+    shards, beat = settings.shards, settings.heartbeat_seconds  # gone: no beat in 3 of them ($ORTQ_HEARTBEAT_SECONDS)
     if shards is None or not shards.sharded:
-        return collect(_connect_to(settings))
-    return collect_shards({url: _connect_to(settings.for_redis(url)) for url in shards.urls()}, shards)
+        return collect(_connect_to(settings), beat)
+    return collect_shards({url: _connect_to(settings.for_redis(url)) for url in shards.urls()}, shards, beat)
 
 
 @main.command(
@@ -393,14 +398,37 @@ main.add_command(pool)
 main.add_command(infer)
 
 
+#: click's error for a bare ``ortq`` (click >= 8.2), whose help is what someone typing it wants to see.
+_NO_ARGS_IS_HELP: tuple[type[click.UsageError], ...] = tuple(
+    kind for kind in [getattr(click.exceptions, "NoArgsIsHelpError", None)] if kind is not None
+)
+
+
+def usage_error_line(exc: click.UsageError) -> str:
+    """A usage error (a bad flag, argument or value) as the one line every ``ortq`` error is
+    (docs/operations.md, "Exit statuses"), where click would print the usage, a hint and the error
+    on four lines: what is wrong, and the command whose --help says how."""
+    message = " ".join(exc.format_message().split()).removesuffix(".")
+    command = exc.ctx.command_path if exc.ctx is not None else "ortq"
+    return f"ortq: UsageError: {message} (see '{command} --help')"
+
+
 def run() -> None:
     """Entry point: every error becomes a one-line message and an exit status (see ``ortq --help``)."""
     try:
-        main(standalone_mode=False)
+        # prog_name: "ortq" in every message, also under ``python -m ortq``.
+        main(prog_name="ortq", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except _NO_ARGS_IS_HELP as exc:
+        exc.show()  # the help
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        click.echo(usage_error_line(exc), err=True)
+        sys.exit(EXIT_CONFIGURATION)
     except click.ClickException as exc:
-        exc.show()
+        message = " ".join(exc.format_message().split())
+        click.echo(f"ortq: {type(exc).__name__}: {message}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         sys.exit(130)

@@ -7,7 +7,9 @@ would, for the workers' records).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, cast
 
 import redis
@@ -16,9 +18,20 @@ from ortq import keys, tables
 from ortq.control import worker_records
 from ortq.errors import ConfigurationError, WireFormatError
 from ortq.rqcompat import layout
-from ortq.settings import redacted_url
+from ortq.rqjob import parse_rq_time
+from ortq.settings import Settings, redacted_url
 from ortq.shards import ShardMap
 from ortq.signature import ModelSignature
+
+#: A worker whose last heartbeat is older than this many heartbeat intervals is gone (killed, or its
+#: host lost): the rule by which the other workers take back its jobs (ortq/worker/upkeep.py), so
+#: that what ``ortq info`` and the dashboard say agrees with what the queue does.
+GONE_AFTER_BEATS = 3
+#: Heartbeat intervals a worker's record may claim (``heartbeat_seconds``); any other value is
+#: taken as absent, and the reader's own setting applies.
+_MOST_HEARTBEAT_SECONDS = 3600.0
+#: ``state`` of a worker that stopped beating.
+GONE = "gone"
 
 
 def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any] | None]:
@@ -44,7 +57,7 @@ def _is_model(name: str) -> bool:
     return True
 
 
-def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
+def _workers(connection: redis.Redis, heartbeat_seconds: float) -> list[dict[str, Any]]:
     records = worker_records(connection)
     for name, record in records:
         if record is None:  # the worker died without cleaning up; its record expired
@@ -52,28 +65,65 @@ def _workers(connection: redis.Redis) -> list[dict[str, Any]]:
             with contextlib.suppress(redis.exceptions.NoPermissionError):
                 connection.srem(keys.WORKERS_SET, name)
     live = [_shown(name, r) for name, r in records if r is not None and isinstance(r.get("model"), str)]
-    # RQ's own worker hash holds the live state and counters (and RQ 3 its running executions).
+    # RQ's own worker hash holds the live state, counters and last heartbeat (and RQ 3 its running
+    # executions).
     with connection.pipeline(transaction=False) as pipe:
         for record in live:
             pipe.hmget(
-                layout.worker_key(str(record.get("name"))), ["state", "successful_job_count", "failed_job_count"]
+                layout.worker_key(str(record.get("name"))),
+                ["state", "successful_job_count", "failed_job_count", "last_heartbeat"],
             )
             pipe.srandmember(layout.worker_executions_key(str(record.get("name"))), 1)
             pipe.hget(layout.worker_key(str(record.get("name"))), "current_job")
         replies = pipe.execute(raise_on_error=False)
+    now = layout.utcnow()
     for i, record in enumerate(live):
         stats, executions, current = replies[3 * i : 3 * i + 3]
-        state, ok, failed = stats if isinstance(stats, list) else (None, None, None)
-        record["state"] = _text(state)
+        state, ok, failed, beat = stats if isinstance(stats, list) else (None, None, None, None)
+        record["state"] = record["rq_state"] = _text(state)
         record["successful_jobs"] = _count(ok)
         record["failed_jobs"] = _count(failed)
+        record["heartbeat_age"] = _age(beat, now)
         execution = _text(executions[0]) if isinstance(executions, list) and executions else None
         # RQ 3's index of the worker's executions, RQ 2's field, else (a worker without RQ's
         # execution records) the job it held at its last heartbeat, while RQ's state says busy.
         held = record.get("held_job")
         held = held if isinstance(held, str) and layout.is_job_id(held) and record["state"] == "busy" else None
         record["current_job"] = execution.rpartition(":")[0] if execution else _text(current) or held
+        # A killed worker leaves its records (RQ's state "idle" or "busy" among them) until they
+        # expire, minutes later: past the rule its jobs are taken back by, it is shown as gone.
+        interval = _interval(record.get("heartbeat_seconds"), heartbeat_seconds)
+        if record["heartbeat_age"] is not None and record["heartbeat_age"] > GONE_AFTER_BEATS * interval:
+            record["state"] = GONE
     return live
+
+
+def _age(raw: object, now: datetime) -> float | None:
+    """Seconds since the heartbeat RQ's time ``raw`` records (0 for one in the future: another
+    host's clock), to 0.1 s; None when absent or unreadable."""
+    moment = parse_rq_time(raw) if isinstance(raw, bytes) and len(raw) <= 64 else None
+    return None if moment is None else round(max(0.0, (now - moment).total_seconds()), 1)
+
+
+def _interval(published: object, default: float) -> float:
+    """The worker's heartbeat interval: the one its record publishes, else the reader's setting."""
+    if isinstance(published, bool) or not isinstance(published, int | float):
+        return default
+    return float(published) if math.isfinite(published) and 0 < published <= _MOST_HEARTBEAT_SECONDS else default
+
+
+def state_text(worker: dict[str, Any]) -> str:
+    """A worker's state as ``ortq info`` and the dashboard show it: RQ's (``idle``, ``busy``, ...),
+    or ``gone (no heartbeat for N s)``."""
+    if worker.get("state") == GONE:
+        return f"gone (no heartbeat for {worker.get('heartbeat_age') or 0:.0f} s)"
+    return str(worker.get("state") or "?")
+
+
+def heartbeat_text(worker: dict[str, Any]) -> str:
+    """How long ago the worker's last heartbeat was: ``0.4 s ago``; ``?`` when RQ's record lacks it."""
+    age = worker.get("heartbeat_age")
+    return "?" if age is None else f"{age:.1f} s ago" if age < 60 else f"{age:.0f} s ago"
 
 
 #: The fields of a worker's record that ``ortq info`` and the page show, with the type each must
@@ -110,11 +160,15 @@ def _count(raw: object) -> int:
         return 0
 
 
-def collect(connection: redis.Redis) -> dict[str, Any]:
+def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbeat_seconds) -> dict[str, Any]:
     """Everything ``ortq info`` prints, as one JSON-able dict. Redis is read as hostile input: a
-    record of the wrong type or content shows as missing or zero, never as an error."""
+    record of the wrong type or content shows as missing or zero, never as an error.
+
+    Each worker has RQ's ``state`` (``rq_state``) and ``heartbeat_age``, the seconds since its last
+    heartbeat; one past :data:`GONE_AFTER_BEATS` heartbeat intervals (the interval its record
+    publishes, else ``heartbeat_seconds``) has the state ``gone``."""
     signatures = _models_with_signatures(connection)
-    workers = _workers(connection)
+    workers = _workers(connection, heartbeat_seconds)
     names = set(signatures) | {w["model"] for w in workers}
     queue_prefix = layout.QueueKeys.of("").queue
     if connection.type(keys.RQ_QUEUES_SET) in (b"set", "set"):
@@ -147,14 +201,16 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
     return {"models": models}
 
 
-def collect_shards(connections: Mapping[str, redis.Redis], shards: ShardMap) -> dict[str, Any]:
+def collect_shards(
+    connections: Mapping[str, redis.Redis], shards: ShardMap, heartbeat_seconds: float = Settings.heartbeat_seconds
+) -> dict[str, Any]:
     """:func:`collect` of every Redis of the shard map (URL -> client, the default first), each
     model marked with its Redis (password left out); ``warnings`` names every model with workers or
     queued jobs on a Redis the map does not send it to (a worker started with the wrong URL)."""
     models: list[dict[str, Any]] = []
     warnings = []
     for url, connection in connections.items():
-        for model in collect(connection)["models"]:
+        for model in collect(connection, heartbeat_seconds)["models"]:
             model["redis"] = redacted_url(url)
             models.append(model)
             home = shards.url_for(model["model"])
@@ -217,15 +273,17 @@ def format_info(info: dict[str, Any]) -> str:
             w["name"],
             w["model"],
             *((redis_url,) if sharded else ()),
-            w["state"],
+            state_text(w),
             (w["provider"] or "?") + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
             _adapter(w),
             w["host"] or "?",
             "?" if w["pid"] is None else w["pid"],
             w["successful_jobs"],
             w["failed_jobs"],
+            heartbeat_text(w),
         )
         for w, redis_url in workers
     ]
-    header = ("WORKER", "MODEL", *redis_column, "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED")
+    header = ("WORKER", "MODEL", *redis_column, "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED",
+              "HEARTBEAT")  # fmt: skip
     return models + "\n\n" + tables.format_table(header, rows) + warnings

@@ -1,12 +1,15 @@
 """Choosing the adapter: selection on recorded adapter tables, CUDA renumbering, NVML without a
-driver, resolution when nothing can be enumerated, the CPU canary and ``--provider auto``."""
+driver, resolution when nothing can be enumerated, none for a provider that cannot run here, the
+CPU canary and ``--provider auto``."""
 
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -14,7 +17,7 @@ import pytest
 
 from ortq.errors import AdapterNotFound, AmbiguousAdapter, CanaryMismatch, ConfigurationError, ProviderUnavailable
 from ortq.worker.adapters import Adapter, _nvml_adapters, select_adapter, visible_cuda_order
-from ortq.worker.serve import WorkerConfig, resolve_plan
+from ortq.worker.serve import WorkerConfig, resolve_adapter, resolve_plan
 from ortq.worker.session import SessionPlan, compare_with_cpu, load_model, warmup_inputs
 from tests.conftest import REPO
 
@@ -137,21 +140,39 @@ def test_ortq_adapters_lists_the_cpu_and_says_what_is_missing() -> None:
     assert "DXGI exists only on Windows" in table.stdout and "no CUDA devices" in table.stdout
 
 
+def resolved(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | None]:
+    """The adapter resolution alone, as a worker does it where its provider can run (Windows with
+    DirectML but no DXGI enumeration, Linux with onnxruntime-gpu but no nvidia-ml-py)."""
+    return resolve_adapter(config, SessionPlan(config.provider, None, None, False))
+
+
 def test_resolution_when_nothing_can_be_enumerated(tiny_path: Path) -> None:
     # Off Windows nothing enumerates DML adapters: a preference falls to DirectML's own options.
-    plan, record = resolve_plan(WorkerConfig(tiny_path, "m", provider="dml", adapter="high-performance"))
+    plan, record = resolved(WorkerConfig(tiny_path, "m", provider="dml", adapter="high-performance"))
     assert plan.device_id is None
     assert plan.provider_options() == {"performance_preference": "high_performance", "device_filter": "gpu"}
     assert record == {"spec": "high-performance", "performance_preference": "high_performance", "device_filter": "gpu"}
-    plan, _ = resolve_plan(WorkerConfig(tiny_path, "m", provider="cuda", adapter="1"))
+    plan, _ = resolved(WorkerConfig(tiny_path, "m", provider="cuda", adapter="1"))
     assert plan.provider_options() == {"device_id": "1"}
     with pytest.raises(AdapterNotFound, match="cannot resolve --adapter 'name:radeon'"):
-        resolve_plan(WorkerConfig(tiny_path, "m", provider="cuda", adapter="name:radeon"))
+        resolved(WorkerConfig(tiny_path, "m", provider="cuda", adapter="name:radeon"))
     # DirectML off Windows: a spec only DXGI could resolve says why it cannot, not "use an index".
     with pytest.raises(ProviderUnavailable, match=r"DirectML .* is Windows-only"):
-        resolve_plan(WorkerConfig(tiny_path, "m", provider="dml", adapter="name:radeon"))
+        resolved(WorkerConfig(tiny_path, "m", provider="dml", adapter="name:radeon"))
     with pytest.raises(ConfigurationError, match="does not apply"):
         WorkerConfig(tiny_path, "m", provider="cpu", adapter="0")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="DirectML's refusal is Linux's; CUDA's needs the CPU build")
+def test_a_provider_that_cannot_run_here_is_not_resolved_to_an_adapter(tiny_path: Path) -> None:
+    """Before any adapter is looked for, the worker asks whether its provider can run at all: the
+    plan carries the reason (load_model raises it, or falls back), and no adapter is resolved."""
+    assert "CUDAExecutionProvider" not in ort.get_available_providers()  # this machine's CPU build
+    for provider, reason in (("dml", "is Windows-only"), ("cuda", "has no CUDAExecutionProvider")):
+        for adapter in (None, "0", "discrete", "name:radeon", "uuid:GPU-0000"):
+            plan, record = resolve_plan(WorkerConfig(tiny_path, "m", provider=provider, adapter=adapter))
+            assert plan.unavailable is not None and reason in plan.unavailable, (provider, adapter)
+            assert record is None and plan.device_id is None
 
 
 def test_canary_catches_zeros_and_accepts_gpu_rounding(conv_path: Path) -> None:

@@ -44,13 +44,16 @@ def test_infer_and_info(
         rf"^{name}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$", table.stdout, re.M
     )
     assert re.search(
-        rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+cpu\s+\S+\s+\d+\s+1\s+0$", table.stdout, re.M
+        rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+cpu\s+\S+\s+\d+\s+1\s+0\s+\d+\.\d s ago$",
+        table.stdout,
+        re.M,
     )
 
     as_json = json.loads(ortq("info", "--json", "--redis-url", redis_url).stdout)
     [model] = [m for m in as_json["models"] if m["model"] == model_name]
     assert model["finished"] == 1 and model["queued"] == 0
     assert model["workers"][0]["provider"] == "CPUExecutionProvider"
+    assert model["workers"][0]["state"] == "idle" and 0 <= model["workers"][0]["heartbeat_age"] < 15
     assert model["signature"]["outputs"] == [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]
 
 

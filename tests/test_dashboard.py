@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -126,6 +127,7 @@ def test_ortq_page_shows_models_workers_queues_and_failures(scene: Scene) -> Non
     assert fields[tiny, worker, "provider"] == "CPUExecutionProvider"
     assert fields[tiny, worker, "ready"] == "ready"
     assert fields[tiny, worker, "state"] == "idle"
+    assert re.fullmatch(r"\d+\.\d s ago", fields[tiny, worker, "heartbeat"])  # a gone one: test_friction_gone_workers
     assert fields[tiny, worker, "adapter"] == "cpu"
     assert (fields[tiny, worker, "successful_jobs"], fields[tiny, worker, "failed_jobs"]) == ("3", "1")
     assert fields[tiny, scene.failed, "reason"].startswith("InvalidInput: inputs do not match the model")
@@ -142,8 +144,20 @@ def test_ortq_page_shows_models_workers_queues_and_failures(scene: Scene) -> Non
     assert "http://" not in html.replace(scene.redis_url, "") and "https://" not in html and "//cdn" not in html
 
 
+def without_heartbeat_ages(info: dict[str, Any], model: str) -> tuple[dict[str, Any], list[float]]:
+    """``info`` with each worker's heartbeat age taken out (it grows between two reads), and those
+    of ``model``'s workers (the Redis is shared: others may be gone)."""
+    info = json.loads(json.dumps(info))
+    ages = {(m["model"], w["name"]): w.pop("heartbeat_age") for m in info["models"] for w in m["workers"]}
+    return info, [age for (of, _), age in ages.items() if of == model]
+
+
 def test_api_info_is_ortq_info(scene: Scene) -> None:
-    assert scene.dashboard.json("/api/info") == collect(scene.connection)
+    served, served_ages = without_heartbeat_ages(scene.dashboard.json("/api/info"), scene.tiny)
+    read, read_ages = without_heartbeat_ages(collect(scene.connection), scene.tiny)
+    assert served == read
+    assert len(served_ages) == len(read_ages) == 1
+    assert all(0 <= age <= 15 for age in served_ages + read_ages), (served_ages, read_ages)  # it beats every 5 s
 
 
 def test_rq_dashboard_pages_show_ortq_jobs(scene: Scene) -> None:
@@ -336,6 +350,22 @@ def test_unreachable_redis_is_a_503(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert status == 503 and f"cannot reach Redis at redis://127.0.0.1:{port}/0" in body
     finally:
         dashboard.stop()
+
+
+def test_a_busy_port_is_one_line_and_status_2(redis_url: str) -> None:
+    """werkzeug would print two lines and exit 1; the port is bound before Redis is asked anything."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "ortq", "dashboard", "--port", str(port), "--redis-url", redis_url]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, cwd=REPO)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (
+        f"ortq: ConfigurationError: cannot listen on 127.0.0.1:{port}: Address already in use; another program "
+        "(a second dashboard?) listens there: choose another --port, or --port 0 for any free one\n"
+    )
+    assert done.stdout == ""
 
 
 def test_help_has_examples() -> None:

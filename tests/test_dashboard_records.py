@@ -218,7 +218,7 @@ def test_the_ortq_page_says_why_it_cannot_show_the_models(forged: Forged, monkey
     """When ``ortq info`` cannot read Redis (made to raise here, as it did on a forged worker record),
     the page answers 200 with the reason and /api/info 502 with it."""
 
-    def unreadable(connection: redis.Redis) -> dict[str, Any]:
+    def unreadable(connection: redis.Redis, *args: object) -> dict[str, Any]:
         raise ValueError("Expecting value: line 1 column 1 (char 0)")
 
     monkeypatch.setattr("ortq.dashboard.page.collect", unreadable)

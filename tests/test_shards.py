@@ -28,7 +28,7 @@ from ortq.localredis import LocalRedis
 from ortq.pool.config import PoolConfig
 from ortq.pool.plan import build_slots, make_plan, worker_environment
 from ortq.producer import Producer
-from ortq.settings import Settings, redacted_url
+from ortq.settings import DEFAULT_REDIS_URL, Settings, redacted_url
 from ortq.shards import ShardMap
 from tests.conftest import REPO, Pool, WorkerProcesses
 from tests.test_pool import no_measure
@@ -402,8 +402,8 @@ def test_the_example_pool_files_commented_shard_works_once_uncommented() -> None
     assert uncommented != text
     config = PoolConfig.from_toml(uncommented, "pool.example.toml", REPO / "deploy")
     [spec] = re.findall(r"ORTQ_REDIS_SHARDS=(\S+)", text)
-    pool = config.shard_map(Settings(redis_url=config.redis_url or ""))
-    producers = Settings(redis_url=config.redis_url or "", redis_shards=spec).shards
+    pool = config.shard_map(Settings(redis_url=config.redis_url or DEFAULT_REDIS_URL))
+    producers = Settings(redis_url=config.redis_url or DEFAULT_REDIS_URL, redis_shards=spec).shards
     assert pool.sharded and pool == producers  # the map the comment gives the producers is the pool's
 
 

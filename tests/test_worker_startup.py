@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import signal
 import subprocess
 import sys
@@ -42,6 +43,27 @@ def test_cuda_without_cuda_refuses_to_start(tiny_path: Path, redis_url: str, mod
     assert "ProviderUnavailable" in done.stderr
     assert "CUDAExecutionProvider" in done.stderr and "onnxruntime-gpu" in done.stderr
     assert "--allow-cpu-fallback" in done.stderr
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="DirectML's refusal is Linux's here")
+@pytest.mark.parametrize("adapter", [[], ["--adapter", "0"], ["--adapter", "discrete"], ["--adapter", "name:radeon"]])
+def test_a_provider_that_cannot_run_here_is_said_first_in_one_line(
+    tiny_path: Path, redis_url: str, model_name: str, adapter: list[str]
+) -> None:
+    """The reason is all a worker says: no adapter listing, warning about adapters or "cannot
+    resolve --adapter" before it (or instead of it), whatever --adapter asks for."""
+    reasons = {
+        "dml": "ortq: ProviderUnavailable: DirectML (--provider dml) is Windows-only: onnxruntime-directml has no "
+        "Linux build. Use --provider cuda for an NVIDIA GPU (pip install 'ortq[cuda]'), else --provider cpu",
+        "cuda": f"ortq: ProviderUnavailable: this ONNX Runtime (onnxruntime {ort.__version__}) has no "
+        "CUDAExecutionProvider: --provider cuda needs the onnxruntime-gpu package (pip uninstall -y onnxruntime && "
+        "pip install 'ortq[cuda]'); it offers ",
+    }
+    for provider, reason in reasons.items():
+        args = ["--model", str(tiny_path), "--name", model_name, "--provider", provider, *adapter]
+        done = run_worker(*args, "--redis-url", redis_url)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(reason) and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_cuda_with_allow_cpu_fallback_runs_on_cpu_and_says_so(

@@ -4,19 +4,23 @@ rq-dashboard (made pickle-free by :mod:`ortq.dashboard.rqdash`, its pages escape
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
 from functools import cached_property
 
 import click
 import redis
 from flask import Flask, Response, jsonify, make_response, render_template_string, url_for
 from jinja2 import BaseLoader
-from werkzeug.serving import make_server
+from werkzeug.serving import LISTEN_QUEUE, get_sockaddr, make_server, select_address_family
 
 from ortq.dashboard import guard, rqdash, rqviews
 from ortq.dashboard.page import TEMPLATE, UNREACHABLE, page_context
 from ortq.dashboard.records import describe
 from ortq.dashboard.templates import PatchedTemplates
+from ortq.errors import ConfigurationError
 from ortq.info import collect
 from ortq.settings import REDIS_DOWN, Settings, redacted_url
 
@@ -65,7 +69,7 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
 
     @app.get("/")
     def overview() -> Response:
-        context = page_context(connection, settings.redis_url)
+        context = page_context(connection, settings.redis_url, settings.heartbeat_seconds)
         html = render_template_string(
             TEMPLATE, refresh_seconds=refresh_seconds, rq_url=url_for("rq_dashboard.queues_overview"),
             job_url=job_url, **context,
@@ -75,7 +79,7 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
     @app.get("/api/info")
     def api_info() -> Response | tuple[Response, int]:
         try:
-            return jsonify(collect(connection))
+            return jsonify(collect(connection, settings.heartbeat_seconds))
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a record ortq cannot read (the page at / says the same)
@@ -92,14 +96,39 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
     return app
 
 
-def serve(app: Flask, host: str, port: int) -> None:
-    """Serve ``app`` on ``host:port`` (0: a free port) with one thread per request until interrupted.
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (0: a free port), bound the way werkzeug binds. A port in
+    use or an address not of this machine is ConfigurationError (one line, exit status 2), where
+    werkzeug would print two lines and exit 1; bound before anything else starts, it fails at once."""
+    family = select_address_family(host, port)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if os.name != "nt":  # as werkzeug: restart at once after a stop (on Windows it would share a busy port)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(get_sockaddr(host, port, family))
+        listener.listen(LISTEN_QUEUE)
+    except OSError as exc:
+        listener.close()
+        hint = (
+            "another program (a second dashboard?) listens there: choose another --port, or --port 0 for any free one"
+            if exc.errno == errno.EADDRINUSE
+            else "is --host an address of this machine?"
+        )
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; {hint}") from exc
+    return listener
+
+
+def serve(app: Flask, host: str, listener: socket.socket) -> None:
+    """Serve ``app`` on ``listener`` (:func:`listen` on ``host``) with one thread per request until
+    interrupted.
 
     Prints the URL once listening, so that whoever started it (a script, a test) can read the port.
     """
-    server = make_server(host, port, app, threaded=True)
+    port = listener.getsockname()[1]
+    server = make_server(host, port, app, threaded=True, fd=listener.fileno())
+    listener.close()  # the server listens on its own copy of the socket
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"ortq dashboard on http://{shown}:{server.server_port}/ (rq-dashboard at {RQ_PREFIX}/)")
+    click.echo(f"ortq dashboard on http://{shown}:{port}/ (rq-dashboard at {RQ_PREFIX}/)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

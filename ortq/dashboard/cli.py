@@ -59,7 +59,7 @@ def dashboard(host: str, port: int, auth: str | None, allowed_hosts: tuple[str, 
     and job class. Needs the dashboard extra: pip install "ortq[dashboard]".
     """
     try:
-        from ortq.dashboard.app import create_app, serve
+        from ortq.dashboard.app import create_app, listen, serve
         from ortq.dashboard.guard import Access, is_loopback
     except ImportError as exc:
         raise click.UsageError(f'{exc}: install the dashboard extra, pip install "ortq[dashboard]"') from exc
@@ -67,10 +67,16 @@ def dashboard(host: str, port: int, auth: str | None, allowed_hosts: tuple[str, 
         access = Access.for_listener(host, auth, allowed_hosts)
     except ConfigurationError as exc:
         raise click.BadParameter(str(exc), param_hint="--auth") from exc
+    listener = listen(host, port)  # a busy port fails now, before Redis is asked anything
     if access.credentials is None and not is_loopback(host):
         click.echo(
             f"warning: listening on {host} without --auth: anyone who can reach this port can delete and requeue "
             f"jobs (set {AUTH_ENV}=user:password)",
             err=True,
         )
-    serve(create_app(Settings.from_env(redis_url=redis_url), access), host, port)
+    try:
+        app = create_app(Settings.from_env(redis_url=redis_url), access)
+    except BaseException:
+        listener.close()
+        raise
+    serve(app, host, listener)

@@ -18,7 +18,7 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 
 from ortq.dashboard.records import describe, exception_text, text
-from ortq.info import collect
+from ortq.info import collect, heartbeat_text, state_text
 from ortq.settings import REDIS_DOWN, redacted_url
 
 #: Failures listed per model, newest first.
@@ -58,18 +58,21 @@ def recent_failures(connection: redis.Redis, queue: str, limit: int = FAILURES_S
     return failures
 
 
-def page_context(connection: redis.Redis, redis_url: str) -> dict[str, Any]:
+def page_context(connection: redis.Redis, redis_url: str, heartbeat_seconds: float) -> dict[str, Any]:
     """What :data:`TEMPLATE` renders. A record ortq cannot read fills ``problem`` instead of failing
-    the page: ``ortq info`` reads Redis as a whole, so one forged record hides the models."""
+    the page: ``ortq info`` reads Redis as a whole, so one forged record hides the models.
+    ``heartbeat_seconds``: the interval by which a worker whose record does not say is judged gone."""
     context: dict[str, Any] = {
         "models": [],
         "problem": None,
         "redis_url": redacted_url(redis_url),
         "now": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "ready_states": READY_STATES,
+        "state_text": state_text,  # as `ortq info` words them
+        "heartbeat_text": heartbeat_text,
     }
     try:
-        context["models"] = collect(connection)["models"]
+        context["models"] = collect(connection, heartbeat_seconds)["models"]
     except REDIS_DOWN:
         raise
     except Exception as exc:
@@ -143,13 +146,13 @@ code { font-size: .95em; }
 {% if m.workers %}
 <table>
 <tr><th>worker</th><th>ready</th><th>state</th><th>provider</th><th>adapter</th><th>host / pid</th>
-<th>ok</th><th>failed</th><th>current job</th></tr>
+<th>ok</th><th>failed</th><th>current job</th><th>last heartbeat</th></tr>
 {% for w in m.workers %}
 <tr class="worker" data-worker="{{ w.name }}">
 <td data-field="name">{{ w.name }}</td>
 {% if w.state in ready_states %}<td data-field="ready" class="ready">ready</td>
 {% else %}<td data-field="ready" class="notready">not ready</td>{% endif %}
-<td data-field="state">{{ w.state or "?" }}</td>
+<td data-field="state"{% if w.state == "gone" %} class="bad"{% endif %}>{{ state_text(w) }}</td>
 <td data-field="provider">{{ w.provider or "?" }}{% if w.fell_back_to_cpu %}
 <span class="bad">(CPU fallback: {{ w.requested_provider or "?" }} was unavailable)</span>{% endif %}</td>
 <td data-field="adapter">{% if w.adapter %}{{ w.adapter.name or w.adapter.spec }}
@@ -160,6 +163,7 @@ code { font-size: .95em; }
 <td data-field="failed_jobs">{{ w.failed_jobs }}</td>
 <td data-field="current_job">{% if w.current_job %}<a href="{{ job_url(w.current_job) }}">{{
  w.current_job }}</a>{% else %}-{% endif %}</td>
+<td data-field="heartbeat" class="nowrap">{{ heartbeat_text(w) }}</td>
 </tr>
 {% endfor %}
 </table>

@@ -15,8 +15,10 @@ from click.core import ParameterSource
 
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
+from ortq.settings import redacted_url
 
 if TYPE_CHECKING:
+    from ortq.pool.config import PoolConfig
     from ortq.pool.plan import Plan
     from ortq.settings import Settings
     from ortq.shards import ShardMap
@@ -71,13 +73,12 @@ def pool(
     from ortq.settings import Settings
 
     config = PoolConfig.from_file(config_path)
-    # An explicit --redis-url wins over the file, and the file over an ambient $ORTQ_REDIS_URL.
-    if ctx.get_parameter_source("redis_url") is ParameterSource.ENVIRONMENT and config.redis_url:
-        redis_url = config.redis_url
+    redis_url, source = _pool_redis_url(ctx.get_parameter_source("redis_url"), redis_url, config)
     try:  # checked now, so that --check catches it too
-        settings = Settings.from_env(redis_url=redis_url or config.redis_url, redis_shards="")
+        settings = Settings.from_env(redis_url=redis_url, redis_shards="")
     except ConfigurationError as exc:
-        raise ConfigurationError(f"{config.source}: [pool] redis_url: {exc}") from None
+        raise ConfigurationError(f"{source}: {exc}") from None
+    logging.getLogger("ortq.pool").info("workers' Redis: %s (from %s)", redacted_url(settings.redis_url), source)
     # The map's own messages name where it came from; its default is the pool's Redis.
     shard_map = config.shard_map(Settings.from_env(redis_url=settings.redis_url, redis_shards=shards))
     adapters, notes, plugins = enumerate_for(config)
@@ -90,6 +91,28 @@ def pool(
     if check:
         return
     sys.exit(_run(plan, settings, shard_map))
+
+
+def _pool_redis_url(given: ParameterSource | None, redis_url: str | None, config: PoolConfig) -> tuple[str | None, str]:
+    """The workers' Redis and where it comes from: an explicit --redis-url, else the file's [pool]
+    redis_url, else $ORTQ_REDIS_URL, else the default (None). The file wins over the variable (it
+    was written for this pool; the variable may be left in a shell), and says so when they differ:
+    nobody who set the variable should find the pool elsewhere without a word."""
+    if given is ParameterSource.COMMANDLINE:
+        return redis_url, "--redis-url"
+    file_key = f"{config.source}: [pool] redis_url"
+    if config.redis_url is None:
+        source = "$ORTQ_REDIS_URL" if redis_url else "the default (no --redis-url, redis_url or $ORTQ_REDIS_URL)"
+        return redis_url, source
+    if redis_url is not None and redis_url != config.redis_url:  # from $ORTQ_REDIS_URL
+        logging.getLogger("ortq.pool").warning(
+            "%s (%s) is used, not $ORTQ_REDIS_URL (%s): the file wins over the variable; --redis-url wins over "
+            "both, or leave redis_url out of the file to use the variable",
+            file_key,
+            redacted_url(config.redis_url),
+            redacted_url(redis_url),
+        )
+    return config.redis_url, file_key
 
 
 def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:

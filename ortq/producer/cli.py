@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
 import numpy as np
 
 from ortq.cliopts import redis_url_option, shards_option
-from ortq.errors import EXIT_JOB_FAILED, ConfigurationError, ResultTimeout
+from ortq.errors import EXIT_JOB_FAILED, ConfigurationError, InferenceFailed, OrtqError, ResultTimeout
+from ortq.producer import checks
 from ortq.producer.bulk import cast_inputs, check_castable, infer_files, input_files, read_inputs, signature_for_cast
-from ortq.producer.producer import Producer
+from ortq.producer.producer import InferenceJob, Producer
 from ortq.settings import Settings
+
+#: Seconds between two reads of a waited-for job's RQ status (one HGET each).
+STATUS_POLL_SECONDS = 0.2
 
 
 def _read_inputs(specs: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -105,7 +112,7 @@ def infer(
         elif (signature := producer.signature(model_name)) is not None:
             check_castable(inputs, signature)
         try:
-            outputs = producer.infer(model_name, inputs, timeout=timeout)
+            outputs = _infer_showing_progress(producer, model_name, inputs, timeout)
         except ResultTimeout as exc:
             hint = f"is a worker serving {model_name!r}? see ortq info; or raise --timeout"
             raise ResultTimeout(f"{exc} ({hint})") from exc
@@ -114,6 +121,60 @@ def infer(
         click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
     for name, value in outputs.items():
         click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
+
+
+def _infer_showing_progress(
+    producer: Producer, model: str, inputs: Mapping[str, np.ndarray], timeout: float
+) -> dict[str, np.ndarray]:
+    """``producer.infer``, saying on stderr how the job goes while it waits: one line per change of
+    its RQ status (queued, started; queued again if a dead worker's job was taken back), then done
+    or failed. stdout stays the outputs'. The status is read on a thread of its own while this one
+    waits for the reply as ``infer`` does; what it cannot read is left unsaid."""
+    checks.wait_timeout(timeout)
+    job = producer.submit(model, inputs)
+    began = time.monotonic()
+    _say(job, "queued", began)  # where submit put it
+    answered = threading.Event()
+    watcher = threading.Thread(target=_watch_status, args=(job, began, answered), daemon=True)
+    watcher.start()
+    try:
+        outputs = job.result(timeout)
+    except ResultTimeout:
+        _stop(watcher, answered)
+        if job.cancel():  # as Producer.infer: no worker spends time on an answer nobody waits for
+            _say(job, "canceled, taken off the queue", began)
+        raise
+    except InferenceFailed:
+        _stop(watcher, answered)
+        _say(job, "failed", began)  # the error's own line follows
+        raise
+    finally:
+        _stop(watcher, answered)  # also on Ctrl-C or an unreachable Redis
+    _say(job, "done", began)
+    return outputs
+
+
+def _watch_status(job: InferenceJob, began: float, answered: threading.Event) -> None:
+    """Until ``answered``: the job's RQ status every STATUS_POLL_SECONDS, said when it changes.
+    finished and failed are left to the waiting thread, which has the reply (it comes first)."""
+    last = "queued"
+    while not answered.wait(STATUS_POLL_SECONDS):
+        try:
+            status = job.status()
+        except OrtqError:  # Redis away for a moment, the record gone: the wait says what matters
+            continue
+        if status != last and status not in ("finished", "failed") and not answered.is_set():
+            last = status
+            _say(job, status, began)
+
+
+def _stop(watcher: threading.Thread, answered: threading.Event) -> None:
+    answered.set()
+    watcher.join()
+
+
+def _say(job: InferenceJob, state: str, began: float) -> None:
+    click.echo(f"job {job.id}: {state} ({time.monotonic() - began:.2f} s)", err=True)
 
 
 def _infer_folder(

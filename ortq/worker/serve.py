@@ -36,6 +36,7 @@ from ortq.worker.session import (
     SessionPlan,
     canary,
     load_model,
+    missing_provider,
     warm_up,
 )
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
@@ -143,6 +144,15 @@ def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | No
             if not config.allow_cpu_fallback:
                 raise
             return replace(base, unavailable=str(exc)), None
+    missing = missing_provider(config.provider)
+    if missing is not None:  # no adapter can help: load_model says so first (or falls back), no listing before it
+        return replace(base, unavailable=missing), None
+    return resolve_adapter(config, base)
+
+
+def resolve_adapter(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPlan, dict[str, Any] | None]:
+    """``base`` (a dml or cuda plan) with the adapter ``config.adapter`` names, and its record,
+    resolved against a fresh enumeration (or, where nothing enumerates, as far as it still can)."""
     spec = config.adapter or "0"
     adapters, notes = enumerate_adapters()
     if any(a.provider == config.provider for a in adapters):
@@ -244,6 +254,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "job_timeout": config.job_timeout,
             "rq_results": settings.rq_results,
             "rq_executions": settings.rq_executions,
+            # Readers judge by it whether this worker is gone (ortq.info.GONE_AFTER_BEATS).
+            "heartbeat_seconds": settings.heartbeat_seconds,
         },
     )
     name = config.worker_name or config.default_worker_name()

@@ -28,7 +28,7 @@ from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnav
 from ortq.signature import Dim, ModelSignature, TensorSpec
 from ortq.worker.deadline import RunDeadline
 from ortq.worker.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
-from ortq.worker.runtime import import_onnxruntime, install_advice, platform_refusal
+from ortq.worker.runtime import import_onnxruntime, install_advice, installed_runtimes, platform_refusal
 
 log = logging.getLogger("ortq.worker")
 
@@ -212,15 +212,36 @@ def _unavailable_reason(ort: Any, plan: SessionPlan) -> str:
         devices = [f"{d.ep_name} ({d.device.type})" for d in ort.get_ep_devices()]
         return f"--provider auto (policy {plan.policy}) chose the CPU; ONNX Runtime sees these devices: {devices}"
     wanted = EXECUTION_PROVIDERS[plan.provider]
-    available = ort.get_available_providers()
-    if wanted not in available:
-        return f"{wanted} is not in this ONNX Runtime build (it offers {available}); {install_advice(plan.provider)}"
+    missing = _missing_from_build(ort, plan.provider)
+    if missing is not None:
+        return missing
     if plan.provider == "cuda":
         return (
             f"{wanted} is installed but could not start: check the NVIDIA driver, "
             f"the CUDA/cuDNN libraries and device {plan.device_id}"
         )
     return f"{wanted} is installed but could not start on adapter {plan.device_id}: check the GPU driver (DirectX 12)"
+
+
+def _missing_from_build(ort: Any, provider: str) -> str | None:
+    """Why this ONNX Runtime build cannot run ``provider`` (dml, cuda) at all, the reason first and
+    the package to install after it; None where the build has it."""
+    wanted = EXECUTION_PROVIDERS[provider]
+    available = ort.get_available_providers()
+    if wanted in available:
+        return None
+    build = ", ".join(f"{name} {version}" for name, version in installed_runtimes()) or "onnxruntime"
+    return f"this ONNX Runtime ({build}) has no {wanted}: {install_advice(provider)}; it offers {', '.join(available)}"
+
+
+def missing_provider(provider: str) -> str | None:
+    """Why ``provider`` (dml, cuda) cannot run here on any adapter: this operating system cannot
+    run it, or the installed ONNX Runtime build lacks it. None where it may run. A worker asks
+    this before it looks for adapters, whose listing would otherwise come before the reason."""
+    refusal = platform_refusal(provider)
+    if refusal is not None:
+        return refusal
+    return _missing_from_build(import_onnxruntime(provider), provider)
 
 
 def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:

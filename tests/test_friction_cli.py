@@ -1,0 +1,122 @@
+"""What a newcomer meets first on the command line: ``ortq --version``, usage errors said in one
+line with the command whose --help helps, and ``ortq infer`` saying how its job goes while it
+waits (stderr) without touching what it prints (stdout). Real Redis, real workers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ortq as ortq_package
+from tests import onnx_models
+from tests.conftest import WorkerProcesses
+from tests.test_cli import ortq
+
+#: A bad use of each command, and the command whose --help the line points to.
+MISUSES = [
+    (["--bogus"], "ortq", "No such option '--bogus'"),
+    (["bogus"], "ortq", "No such command 'bogus'"),
+    (["worker", "--name", "m"], "ortq worker", "Missing option '--model'"),
+    (["worker", "--model", "m.onnx", "--name", "m", "--provider", "gpu"], "ortq worker",
+     "Invalid value for '--provider': 'gpu' is not one of 'dml', 'cuda', 'cpu'"),
+    (["worker", "--model", "m.onnx", "--name", "m", "--adapter", "0", "--device-id", "0"], "ortq worker",
+     "give --adapter or --device-id, not both"),
+    (["adapters", "--ep-name", "X"], "ortq adapters", "--ep-name needs --ep-library"),
+    (["info", "--jsn"], "ortq info", "No such option '--jsn'"),
+    (["stop"], "ortq stop", "say which workers: --model, --worker and/or --host"),
+    (["stop", "--model", "m", "--wait", "-1"], "ortq stop", "Invalid value for '--wait'"),
+    (["demo", "--workers", "9"], "ortq demo", "Invalid value for '--workers'"),
+    (["infer"], "ortq infer", "Missing argument 'MODEL_NAME'"),
+    (["infer", "m"], "ortq infer", "give --input NAME=FILE.npy or --input FILE.npz (one job) or --input-dir DIR"),
+    (["infer", "m", "--input", "no-equals-sign"], "ortq infer",
+     "Invalid value for --input: cannot read no-equals-sign"),
+    (["infer", "m", "--input-dir", "/nonexistent-dir"], "ortq infer",
+     "Invalid value for '--input-dir': Directory '/nonexistent-dir' does not exist"),
+    (["infer", "m", "--input", "x=a.npy", "--timeout", "soon"], "ortq infer",
+     "Invalid value for '--timeout': 'soon' is not a valid float"),
+    (["pool"], "ortq pool", "Missing option '--config'"),
+    (["dashboard", "--port", "70000"], "ortq dashboard", "Invalid value for '--port': 70000 is not in the range"),
+    (["dashboard", "--auth", "no-colon"], "ortq dashboard", "Invalid value for --auth: --auth / $ORTQ_DASHBOARD_AUTH"),
+]  # fmt: skip
+
+
+def test_version_prints_the_package_version() -> None:
+    done = ortq("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"ortq {ortq_package.__version__}\n" and done.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "command", "message"), MISUSES, ids=[" ".join(m[0]) for m in MISUSES])
+def test_a_usage_error_is_one_line_and_status_2(args: list[str], command: str, message: str) -> None:
+    done = ortq(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()  # click's own is four: usage, hint, blank, error
+    assert line.startswith(f"ortq: UsageError: {message}"), line
+    assert line.endswith(f" (see '{command} --help')"), line
+
+
+def test_infer_says_how_its_job_goes_on_stderr_and_prints_only_outputs(
+    workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path, tmp_path: Path
+) -> None:
+    slow = onnx_models.timed_slow_model(models_dir / "slow-progress.onnx", 1.5)
+    workers.serve(slow, model_name, redis_url)
+    np.save(tmp_path / "x.npy", np.ones((1, 256), np.float32))
+    done = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", redis_url)
+    assert done.returncode == 0, done.stderr
+    # The outputs alone: one output, printed as numpy prints it.
+    assert done.stdout.startswith("y: float32[1, 256] [[") and done.stdout.count("y: ") == 1, done.stdout
+    assert "job " not in done.stdout and done.stdout.endswith("]]\n"), done.stdout
+    lines = done.stderr.splitlines()
+    [job_id] = {line.split(":")[0].removeprefix("job ") for line in lines}
+    states = [re.fullmatch(rf"job {job_id}: (\w+) \((\d+\.\d\d) s\)", line) for line in lines]
+    assert all(states), lines
+    assert [m.group(1) for m in states if m] == ["queued", "started", "done"], lines  # one line per change
+    seconds = [float(m.group(2)) for m in states if m]
+    assert seconds == sorted(seconds) and seconds[2] - seconds[1] >= 1.0, lines  # the run is what it waited for
+
+
+def test_infer_of_a_job_the_worker_fails_ends_with_the_one_error_line(
+    workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path, tmp_path: Path
+) -> None:
+    gather = onnx_models.gather_model(models_dir / "progress-gather.onnx")
+    workers.serve(gather, model_name, redis_url)
+    np.save(tmp_path / "idx.npy", np.array([1, 7], np.int64))  # 7: Gather fails at run time
+    failed = ortq("infer", model_name, "--input", f"idx={tmp_path / 'idx.npy'}", "--redis-url", redis_url)
+    assert failed.returncode == 3 and failed.stdout == "", failed.stderr
+    *progress, error = failed.stderr.splitlines()
+    assert re.fullmatch(r"job \S+: queued \(\d+\.\d\d s\)", progress[0]), failed.stderr
+    assert re.fullmatch(r"job \S+: failed \(\d+\.\d\d s\)", progress[-1]), failed.stderr
+    assert error.startswith("ortq: InferenceFailed: job "), failed.stderr
+
+
+def test_infer_that_times_out_takes_its_job_off_the_queue_and_says_so(
+    redis_url: str, model_name: str, tiny_path: Path, tmp_path: Path, workers: WorkerProcesses
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url)
+    workers.stop_all()  # its signature stays published: the job is enqueued, and nobody takes it
+    np.save(tmp_path / "x.npy", np.ones((1, 4), np.float32))
+    late = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--timeout", "0.5", "--redis-url", redis_url)
+    assert late.returncode == 1 and late.stdout == "", late.stderr
+    queued, canceled, error = late.stderr.splitlines()
+    assert re.fullmatch(r"job \S+: queued \(0\.\d\d s\)", queued), late.stderr
+    assert re.fullmatch(r"job \S+: canceled, taken off the queue \(0\.\d\d s\)", canceled), late.stderr
+    assert error.startswith("ortq: ResultTimeout: no result for job ") and "raise --timeout" in error
+
+
+def test_bulk_infer_keeps_its_progress_bar_and_no_job_lines(
+    workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, tmp_path: Path
+) -> None:
+    workers.serve(tiny_path, model_name, redis_url)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"x{i}.npy", np.full((1, 4), i, np.float32))
+    done = ortq("infer", model_name, "--input-dir", str(folder), "--output-dir", str(tmp_path / "out"),
+                "--redis-url", redis_url)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"3 file\(s\): 3 ok, 0 failed in \S+ s \(\S+ jobs/s\)\n", done.stdout), done.stdout
+    assert "job " not in done.stderr and model_name in done.stderr  # click's bar, labelled with the model

@@ -22,11 +22,12 @@ from ortq.rqjob import parse_rq_time
 from ortq.settings import Settings, redacted_url
 from ortq.shards import ShardMap
 from ortq.signature import ModelSignature
+from ortq.worker.upkeep import DEAD_AFTER_BEATS
 
 #: A worker whose last heartbeat is older than this many heartbeat intervals is gone (killed, or its
-#: host lost): the rule by which the other workers take back its jobs (ortq/worker/upkeep.py), so
-#: that what ``ortq info`` and the dashboard say agrees with what the queue does.
-GONE_AFTER_BEATS = 3
+#: host lost): the rule by which the other workers take back its jobs, so that what ``ortq info``
+#: and the dashboard say agrees with what the queue does.
+GONE_AFTER_BEATS = DEAD_AFTER_BEATS
 #: Heartbeat intervals a worker's record may claim (``heartbeat_seconds``); any other value is
 #: taken as absent, and the reader's own setting applies.
 _MOST_HEARTBEAT_SECONDS = 3600.0

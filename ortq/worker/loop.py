@@ -207,16 +207,20 @@ class Worker:
         # that what it took is held, and handed on with the rest.
         self.feeder.thread.join(self.feeder.intake.slice + self.settings.socket_timeout)
         why = f"worker {self.name}'s run stalled (no run ended for {lasted:.0f} s)"
-        hand_on(Upkeep(self._book(connection), self.settings), self.ledger, self.ledger.jobs(), why, patience=10.0)
+        hand_on(self._upkeep_on(connection), self.ledger, self.ledger.jobs(), why, patience=10.0)
         self.presence.unregister(connection)
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_DEVICE_LOST)
 
     def _upkeep_beside(self, connection: redis.Redis) -> None:
+        self._upkeep_on(connection).run()
+
+    def _upkeep_on(self, connection: redis.Redis) -> Upkeep:
+        """The heartbeat thread's upkeep, on its connection."""
         if self._beat_upkeep is None or self._beat_upkeep.book.connection is not connection:
             self._beat_upkeep = Upkeep(self._book(connection), self.settings)
-        self._beat_upkeep.run()
+        return self._beat_upkeep
 
     # ------------------------------------------------------------------ the loop
 

@@ -22,8 +22,8 @@ held job that never left would stay ``started`` for as long as the worker lives:
 failure this module exists to rule out. A job whose start reply was lost is never held: it is an
 orphan of this worker's from the start, taken back by the same recovery.
 
-The ledger counts how jobs left and logs a job that leaves twice or was never held (a defect in
-the worker, not in the job); the tests assert none does.
+The ledger logs and counts a job that leaves twice or was never held (a defect in the worker, not
+in the job); the tests assert none does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
@@ -55,8 +54,6 @@ class Ledger:
     def __init__(self) -> None:
         self._held: dict[str, StartedJob] = {}
         self._lock = threading.Lock()
-        #: How many jobs left each way, since the worker started.
-        self.left: Counter[Left] = Counter()
         #: Jobs that left without being held (twice, or never held): each one a defect of the worker.
         self.defects = 0
 
@@ -72,8 +69,6 @@ class Ledger:
                 if self._held.pop(job.execution_id, None) is None:
                     self.defects += 1
                     log.error("job %s left (%s) but was not held: a defect of the worker", job.job_id, how.value)
-                else:
-                    self.left[how] += 1
 
     def held(self) -> frozenset[str]:
         """The execution ids of the jobs held now."""
@@ -94,11 +89,6 @@ class Ledger:
         """Whether the worker holds nothing besides ``jobs``: answering them leaves it idle."""
         with self._lock:
             return self._held.keys() <= {job.execution_id for job in jobs}
-
-    def still_held(self, jobs: Iterable[StartedJob]) -> list[StartedJob]:
-        """Those of ``jobs`` that are held now."""
-        with self._lock:
-            return [job for job in jobs if job.execution_id in self._held]
 
 
 def hand_on(

@@ -32,6 +32,11 @@ REDIS_OUTAGE_LIMIT = 120.0
 #: entries a registry, ~2 ms of Redis).
 MAINTAIN_CALLS = 10
 
+#: Heartbeat intervals without a heartbeat after which a worker counts as dead: its started jobs
+#: are taken back, a dequeue it left in the intermediate list is rescued, and ``ortq info`` and the
+#: dashboard show it as gone.
+DEAD_AFTER_BEATS = 3
+
 #: How many times a job may be taken back from a dead worker before it is failed instead.
 MAX_RECOVERIES = 2
 
@@ -91,7 +96,7 @@ class Upkeep:
 
     def rescue(self) -> None:
         for _ in range(10):  # a long hostile list is worked through in bounded steps
-            rescued, removed, full = self.book.rescue(grace=3 * self.settings.heartbeat_seconds)
+            rescued, removed, full = self.book.rescue(grace=DEAD_AFTER_BEATS * self.settings.heartbeat_seconds)
             for job_id in rescued:
                 log.warning("job %s was left in the intermediate list (a lost dequeue reply); requeued", job_id)
             if removed:
@@ -105,7 +110,8 @@ class Upkeep:
         requeued at the front, or failed with WorkerLost once it has been taken back
         MAX_RECOVERIES times (a job that crashes every worker must not crash them all)."""
         me = self.book.worker_name
-        for job_id, execution_id, owner in self.book.abandoned(3 * self.settings.heartbeat_seconds, own, held):
+        dead_after = DEAD_AFTER_BEATS * self.settings.heartbeat_seconds
+        for job_id, execution_id, owner in self.book.abandoned(dead_after, own, held):
             if owner == me:
                 message = "this worker's reply to starting the job was lost (Redis restarted or the connection dropped)"
             else:

@@ -212,6 +212,14 @@ def main(verbose: bool) -> None:
     metavar="SECONDS",
     help="Stop a run after SECONDS for jobs that set no timeout of their own (JobTimeout); default: no limit.",
 )
+@click.option(
+    "--model-version",
+    default=None,
+    envvar="ORTQ_MODEL_VERSION",
+    metavar="NAME",
+    help="The version of the model this worker serves, which every answer names and producers may pin "
+    "(docs/operations.md, 'Model versions'); default: the first 12 hex digits of the model file's SHA-256.",
+)
 @_REDIS_URL
 def worker(
     model_path: Path,
@@ -235,6 +243,7 @@ def worker(
     device_lost_pattern: str | None,
     stall_seconds: float,
     job_timeout: float | None,
+    model_version: str | None,
     redis_url: str | None,
 ) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
@@ -263,6 +272,7 @@ def worker(
         device_lost_pattern=device_lost_pattern,
         stall_seconds=stall_seconds,
         job_timeout=job_timeout,
+        model_version=model_version,
     )
     sys.exit(serve(config, _settings(redis_url)))
 
@@ -390,10 +400,12 @@ def demo(redis_url: str | None, workers: int) -> None:
 
 
 from ortq.dashboard.cli import dashboard  # noqa: E402  (commands of their own modules)
+from ortq.exporter import exporter  # noqa: E402
 from ortq.pool.cli import pool  # noqa: E402
 from ortq.producer.cli import infer  # noqa: E402
 
 main.add_command(dashboard)
+main.add_command(exporter)
 main.add_command(pool)
 main.add_command(infer)
 

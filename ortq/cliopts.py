@@ -10,7 +10,8 @@ import click
 
 
 def redis_url_option(
-    help: str = "Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0).",
+    help: str = "Redis to use (default: $ORTQ_REDIS_URL, else redis://127.0.0.1:6379/0); "
+    "redis+sentinel://HOST:26379,HOST:26379/SERVICE/DB for a Sentinel group (docs/ha.md).",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--redis-url``, read from $ORTQ_REDIS_URL when not given (None when neither is)."""
     return click.option("--redis-url", envvar="ORTQ_REDIS_URL", default=None, help=help)

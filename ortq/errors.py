@@ -69,6 +69,30 @@ class ResponseMismatch(OrtqError):
     outputs are not returned."""
 
 
+class JobStopped(OrtqError):
+    """The job was stopped at its producer's request (``cancel()`` of a started job) or an
+    operator's (RQ's stop-job command) before or while it ran: RQ's status ``stopped``, no outputs."""
+
+
+class JobExists(OrtqError):
+    """A submit named a job id that a job already has (queued, running, or answered while its reply
+    lives; or another model's job): nothing of that job was overwritten or enqueued again. With
+    ``unique=True`` a submit returns the existing job of its own model instead. ``enqueued``: the
+    handles of the jobs of the same submit that were enqueued."""
+
+    def __init__(self, message: str, enqueued: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.enqueued = enqueued or []
+
+
+class VersionMismatch(OrtqError):
+    """A job was answered by a version of its model other than the one it may be answered by: the
+    version it was pinned to, or one whose signature is the one its inputs were checked against
+    (during a rollout that changes the signature, a job checked against the old one and taken by a
+    new worker). The outputs are not returned; submitting it again checks it against the current
+    signature."""
+
+
 class ProtocolMismatch(ConfigurationError):
     """The model's workers speak another ortq protocol (docs/wire-format.md) than this producer: jobs
     would never be answered. Nothing was enqueued; upgrade producers and workers together."""

@@ -44,7 +44,8 @@ def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any]
     raws = connection.mget([keys.signature_key(n) for n in names]) if names else []  # nil for wrong types
     for name, raw in zip(names, raws, strict=True):
         try:
-            models[name] = None if raw is None else ModelSignature.loads(raw).to_json()
+            signature = None if raw is None else ModelSignature.loads(raw)
+            models[name] = None if signature is None else {"version": signature.version, **signature.to_json()}
         except WireFormatError:
             models[name] = None
     return models
@@ -131,6 +132,7 @@ def heartbeat_text(worker: dict[str, Any]) -> str:
 #: have; any other value (a record written by someone else) shows as unknown.
 _SHOWN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "provider": str,
+    "version": str,
     "requested_provider": str,
     "fell_back_to_cpu": bool,
     "adapter": dict,
@@ -241,6 +243,12 @@ def _adapter(worker: dict[str, Any]) -> str:
     return f"#{adapter.get('index', worker.get('device_id'))} {name}"
 
 
+def _current_version(signature: dict[str, Any] | None) -> str:
+    """The version of a model's current signature (that of its worker that started last)."""
+    version = (signature or {}).get("version")
+    return version[:64] if isinstance(version, str) else "-"
+
+
 def format_info(info: dict[str, Any]) -> str:
     """``ortq info``'s tables: one row per model (queue counts, signature), one per worker; with a
     shard map (:func:`collect_shards`) a REDIS column, and its warnings below."""
@@ -250,11 +258,12 @@ def format_info(info: dict[str, Any]) -> str:
         return f"no ortq models or workers in {'these Redis instances' if sharded else 'this Redis'}{warnings}"
     redis_column: tuple[str, ...] = ("REDIS",) if sharded else ()
     models = tables.format_table(
-        ("MODEL", *redis_column, "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
+        ("MODEL", *redis_column, "VERSION", "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
         [
             (
                 m["model"],
                 *((m["redis"],) if sharded else ()),
+                _current_version(m["signature"]),
                 m["queued"],
                 m["started"],
                 m["finished"],
@@ -274,6 +283,7 @@ def format_info(info: dict[str, Any]) -> str:
             w["name"],
             w["model"],
             *((redis_url,) if sharded else ()),
+            w["version"] or "?",
             state_text(w),
             (w["provider"] or "?") + (" (CPU FALLBACK)" if w["fell_back_to_cpu"] else ""),
             _adapter(w),
@@ -285,6 +295,6 @@ def format_info(info: dict[str, Any]) -> str:
         )
         for w, redis_url in workers
     ]
-    header = ("WORKER", "MODEL", *redis_column, "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK", "FAILED",
-              "HEARTBEAT")  # fmt: skip
+    header = ("WORKER", "MODEL", *redis_column, "VERSION", "STATE", "PROVIDER", "ADAPTER", "HOST", "PID", "OK",
+              "FAILED", "HEARTBEAT")  # fmt: skip
     return models + "\n\n" + tables.format_table(header, rows) + warnings

@@ -46,6 +46,16 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def check_version_name(version: object) -> str:
+    """Return ``version`` if it can name a model's version, else raise ConfigurationError."""
+    if not isinstance(version, str) or not _MODEL_NAME.match(version):
+        raise ConfigurationError(
+            f"invalid model version {version!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
+            "starting with a letter or digit"
+        )
+    return version
+
+
 def queue_name(model: str) -> str:
     """The RQ queue that carries jobs for ``model``; one queue per model name."""
     return PREFIX + model
@@ -87,9 +97,19 @@ def last_high_key(model: str) -> str:
     return PREFIX + "last-high:" + model
 
 
-def signature_key(model: str) -> str:
-    """JSON record of the model's signature, published by every worker that serves it."""
-    return PREFIX + "signature:" + model
+def signature_key(model: str, version: str | None = None) -> str:
+    """JSON record of the model's signature, with the version it is of. Without ``version``: the
+    current one, that of the worker of ``model`` that started last (every worker writes it again if
+    it is gone); with it: that version's, published by every worker serving that version. (Model
+    and version names hold no ``@``: neither key can be taken for another.)"""
+    return PREFIX + "signature:" + model + ("" if version is None else "@" + version)
+
+
+def parked_key(model: str, version: str) -> str:
+    """List of the ids of ``model``'s jobs pinned to ``version`` that a worker of another version
+    took off the queue: the start script of a worker of that version takes them before the queue.
+    Written by workers only."""
+    return PREFIX + "parked:" + model + "@" + version
 
 
 def worker_key(worker_name: str) -> str:

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+from redis.sentinel import MasterNotFoundError
 
+from ortq import sentinel
 from ortq.errors import EXIT_CONFIGURATION, EXIT_UNAVAILABLE, ConfigurationError
 from ortq.wire import DEFAULT_MAX_FRAME_BYTES
 
@@ -26,9 +28,16 @@ if TYPE_CHECKING:
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _SCHEMES = ("redis", "rediss", "unix")
+#: What a redis_url may start with: one Redis (or a socket), or a Sentinel group (ortq/sentinel.py).
+_ALL_SCHEMES = (*_SCHEMES, *sentinel.SCHEMES)
+_SCHEMES_TEXT = ", ".join(f"{scheme}://" for scheme in _ALL_SCHEMES[:-1]) + f" or {_ALL_SCHEMES[-1]}://"
 
 #: What redis-py raises when Redis cannot be reached (refused, reset, timed out), which every
 #: ortq loop that rides out an outage catches. A refused login (AuthenticationError) is one too.
+#: So is all that a Sentinel failover raises through redis-py's Sentinel clients: MasterNotFoundError
+#: (no primary while the sentinels elect one), a demoted primary's READONLY or UNBLOCKED answer,
+#: which its connections turn into "ConnectionError: The previous master is now a slave", and a
+#: primary's NOREPLICAS, which ortq.sentinel.PrimaryConnection turns into a ConnectionError too.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 #: Frames at least this large go to redis-py as memoryviews (see frame_argument).
@@ -71,6 +80,8 @@ def redacted_url(redis_url: str) -> str:
     text that is no URL (shown as its host:port part alone)."""
     if "://" not in redis_url:
         return redis_url.partition("?")[0].rpartition("@")[2]
+    if sentinel.is_sentinel_url(redis_url):
+        return sentinel.redacted(redis_url)
     parts = urlsplit(redis_url)
     user = f"{unquote(parts.username)}@" if parts.username else ""
     if parts.scheme == "unix":
@@ -107,9 +118,12 @@ def check_redis_url(redis_url: str) -> None:
             "(redis://HOST:PORT/DB, rediss:// for TLS, unix:///PATH for a socket)"
         )
     shown = redacted_url(redis_url)
+    if sentinel.is_sentinel_url(redis_url):
+        sentinel.SentinelURL.parse(redis_url)  # ConfigurationError, in one line, for a malformed one
+        return
     parts = urlsplit(redis_url)
     if parts.scheme not in _SCHEMES:
-        raise ConfigurationError(f"redis_url must start with redis://, rediss:// or unix://, got {shown!r}")
+        raise ConfigurationError(f"redis_url must start with {_SCHEMES_TEXT}, got {shown!r}")
     try:
         redis.ConnectionPool.from_url(redis_url)  # redis-py's own reading of the URL; connects to nothing
     except ValueError as exc:
@@ -127,8 +141,9 @@ def check_tls_options(redis_url: str) -> None:
     for name, values in parse_qs(parts.query).items():
         if not name.startswith("ssl_"):
             continue
-        if parts.scheme != "rediss":
-            raise ConfigurationError(f"redis_url option {name} needs the rediss:// scheme (TLS), not {parts.scheme}://")
+        if parts.scheme not in ("rediss", "rediss+sentinel"):
+            tls = "rediss+sentinel://" if sentinel.is_sentinel_url(redis_url) else "rediss://"
+            raise ConfigurationError(f"redis_url option {name} needs the {tls} scheme (TLS), not {parts.scheme}://")
         if name not in _TLS_URL_OPTIONS:
             raise ConfigurationError(
                 f"unknown TLS option {name} in redis_url; redis-py takes {', '.join(sorted(_TLS_URL_OPTIONS))}"
@@ -254,15 +269,18 @@ class Settings:
         status 2), rather than as a traceback from deep inside the first command. An unreachable
         server still raises redis.ConnectionError: that one may pass, and a restart may help.
         """
+        options: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_timeout,
+            "health_check_interval": 30,
+            # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
+            "socket_read_size": 1 << 20,
+        }
         try:
-            client: redis.Redis = redis.Redis.from_url(
-                self.redis_url,
-                socket_timeout=self.socket_timeout,
-                socket_connect_timeout=self.socket_timeout,
-                health_check_interval=30,
-                # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
-                socket_read_size=1 << 20,
-            )
+            if sentinel.is_sentinel_url(self.redis_url):
+                client = sentinel.connect(self.redis_url, **options)  # the primary, wherever it is now
+            else:
+                client = redis.Redis.from_url(self.redis_url, **options)
         except ValueError as exc:  # a query option redis-py cannot read (check_redis_url passed the rest)
             raise ConfigurationError(f"redis_url {redacted_url(self.redis_url)!r}: {exc}") from None
         if check:
@@ -287,6 +305,11 @@ def _ping(client: redis.Redis, where: str) -> None:
     """PING through ``client``; what only the configuration can fix becomes a ConfigurationError."""
     try:
         client.ping()
+    except MasterNotFoundError as exc:  # a Sentinel URL (a ConnectionError: before that branch)
+        if (refusal := sentinel.unknown_service(client)) is not None:
+            client.close()
+            raise refusal from exc
+        raise
     except redis.AuthenticationError as exc:  # a subclass of ConnectionError: caught first
         client.close()
         raise ConfigurationError(

@@ -12,7 +12,9 @@ instances", says when and how.
 Written ``MODEL=URL`` entries separated by commas or white space (``$ORTQ_REDIS_SHARDS``,
 ``--shards``, ``Settings(redis_shards=...)``), or a mapping of model to URL (a TOML table, a
 dict). A comma or white space inside a URL (a password) is written percent-encoded (``%2C``,
-``%20``): redis-py decodes the user and password. Messages show URLs without their password.
+``%20``): redis-py decodes the user and password. A Sentinel URL's own commas, between its
+sentinels, stay in the URL (``conv=redis+sentinel://a:26379,b:26379/ortq/0``; docs/ha.md).
+Messages show URLs without their password.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from collections.abc import Iterable, Mapping
 
 from ortq import keys
 from ortq.errors import ConfigurationError
+from ortq.sentinel import is_sentinel_url
 from ortq.settings import check_redis_url, check_tls_options, redacted_url
 
 #: The environment variable producers and the ``ortq`` commands read the map from.
 ENV_VAR = "ORTQ_REDIS_SHARDS"
 
-_SEPARATORS = re.compile(r"[,\s]+")
+_PIECES = re.compile(r"([,\s]+)")
+#: How an entry starts: a model name (keys.check_model_name's characters) and "=".
+_ENTRY_START = re.compile(r"[A-Za-z0-9_.-]+=")
 
 
 class ShardMap:
@@ -52,7 +57,7 @@ class ShardMap:
         ConfigurationError, naming ``source`` and the entry, for an entry that is no ``MODEL=URL``,
         an empty or invalid model name, a model given twice, or a bad URL."""
         routes: dict[str, str] = {}
-        for number, entry in enumerate((e for e in _SEPARATORS.split(spec) if e), 1):
+        for number, entry in enumerate(_entries(spec), 1):
             model, equals, url = entry.partition("=")
             if not equals or "://" in model:
                 raise ConfigurationError(
@@ -130,6 +135,24 @@ class ShardMap:
     def __repr__(self) -> str:
         routes = ", ".join(f"{model}={redacted_url(url)}" for model, url in self._routes.items())
         return f"ShardMap(default={redacted_url(self.default_url)}, {{{routes}}})"
+
+
+def _entries(spec: str) -> list[str]:
+    """The map's entries. A Sentinel URL lists its sentinels separated by commas too
+    (``conv=redis+sentinel://a:26379,b:26379/ortq/0``): a piece after a comma that does not start
+    with ``MODEL=`` (a sentinel's ``HOST[:PORT]``, which can hold no ``=``) goes on the Sentinel URL
+    before it."""
+    entries: list[str] = []
+    pieces = _PIECES.split(spec)
+    for piece, separator in zip(pieces[::2], ["", *pieces[1::2]], strict=True):
+        if not piece:
+            continue
+        joins = separator == "," and entries and is_sentinel_url(entries[-1].partition("=")[2])
+        if joins and not _ENTRY_START.match(piece):
+            entries[-1] += "," + piece
+        else:
+            entries.append(piece)
+    return entries
 
 
 def _check_model(model: object, source: str) -> None:

@@ -7,9 +7,10 @@ languages can read it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -76,6 +77,15 @@ class ModelSignature:
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    #: The version of the model this is the signature of, as its published record says (None: a
+    #: record from workers before model versions, or a signature read from a model file).
+    version: str | None = field(default=None, compare=False)
+
+    @cached_property
+    def digest(self) -> str:
+        """What names this signature in a response's ``served_by`` and a job's checks: the first 16
+        hex digits of the SHA-256 of its JSON (inputs and outputs, compact, in the model's order)."""
+        return hashlib.sha256(self.dumps().encode()).hexdigest()[:16]
 
     @cached_property
     def _input_names(self) -> frozenset[str]:
@@ -105,10 +115,14 @@ class ModelSignature:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ModelSignature:
+        version = obj.get("version")
+        if version is not None and not (isinstance(version, str) and 0 < len(version) <= 64):
+            raise WireFormatError(f"malformed model signature record: version {str(version)[:80]!r}")
         try:
             return cls(
                 inputs=tuple(TensorSpec.from_json(spec) for spec in obj["inputs"]),
                 outputs=tuple(TensorSpec.from_json(spec) for spec in obj["outputs"]),
+                version=version,
             )
         except (KeyError, TypeError) as exc:
             raise WireFormatError(f"malformed model signature record: {exc!r}") from exc

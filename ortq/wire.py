@@ -15,6 +15,7 @@ import hashlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import Any, NoReturn, TypeGuard
 
@@ -57,6 +58,7 @@ __all__ = [
     "RemoteError",
     "Request",
     "Response",
+    "Served",
     "as_wire_array",
     "decode_request",
     "decode_request_in_full",
@@ -73,6 +75,28 @@ __all__ = [
 
 #: Bytes of a response's ``proof`` (SHA-256).
 PROOF_BYTES = 32
+
+#: Longest ``served_by`` value (a version name, a signature digest) a response may carry.
+MAX_SERVED_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a worker's every response says of the model that answered: its version and the digest of
+    its signature (ortq.signature.ModelSignature.digest), so that a producer can tell that the
+    answer came from a model whose signature it checked its inputs against."""
+
+    version: str
+    signature: str
+
+    def as_map(self) -> dict[str, str]:
+        return {"version": self.version, "signature": self.signature}
+
+    @cached_property
+    def entry(self) -> bytes:
+        """The header's ``served_by`` entry as msgpack bytes (key and value), appended as it is."""
+        packed: bytes = msgpack.packb("served_by") + msgpack.packb(self.as_map())
+        return packed
 
 
 def proof_of(model: str, nonce: bytes) -> bytes:
@@ -92,26 +116,38 @@ def encode_request(inputs: Mapping[str, object], options: Mapping[str, Any] | No
 
 
 def encode_response(
-    outputs: Mapping[str, NDArray[Any]], timings: Mapping[str, float] | None = None, proof: bytes | None = None
+    outputs: Mapping[str, NDArray[Any]],
+    timings: Mapping[str, float] | None = None,
+    proof: bytes | None = None,
+    served: Served | None = None,
 ) -> bytes:
-    """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds and the
-    ``proof`` (``proof_of``) that binds it to its request."""
-    return encode_laid_out(outputs, layout_of(outputs), _timings(timings), proof)
+    """A successful response frame carrying ``outputs``, per-stage ``timings`` in seconds, the
+    ``proof`` (``proof_of``) that binds it to its request and what ``served`` it."""
+    return encode_laid_out(outputs, layout_of(outputs), _timings(timings), proof, served)
 
 
 def encode_laid_out(
-    outputs: Mapping[str, NDArray[Any]], layout: Layout | None, timings: dict[str, float], proof: bytes | None = None
+    outputs: Mapping[str, NDArray[Any]],
+    layout: Layout | None,
+    timings: dict[str, float],
+    proof: bytes | None = None,
+    served: Served | None = None,
 ) -> bytes:
     """encode_response for a caller that has looked up ``layout_of(outputs)`` already (the worker
     uses it for RQ's result too; None: no layout, the general encoder) and whose ``timings`` are
     the plain map of str to float the header carries."""
     if layout is None:
         body = {"kind": "response", "ok": True, "outputs": outputs, "timings": timings}
-        return _encode(_with_proof(body, proof), "outputs")
-    # The same bytes as _encode's: the header's map ends with the timings and the proof.
-    header = (layout.head if proof is None else layout.head_with_proof) + msgpack.packb(timings)
+        return _encode(_with_proof(body, proof, served), "outputs")
+    # The same bytes as _encode's: the header's map ends with the timings, the proof and served_by.
+    head = layout.head if proof is None else layout.head_with_proof
+    if served is not None:  # one entry more (a fixmap: the count is in its first byte)
+        head = bytes((head[0] + 1,)) + head[1:]
+    header = head + msgpack.packb(timings)
     if proof is not None:  # as msgpack's bin 8, as _encode writes it
         header += _PROOF_KEY + b"\xc4" + bytes((len(proof),)) + proof
+    if served is not None:
+        header += served.entry
     if len(header) > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
     parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]
@@ -164,7 +200,11 @@ def layout_of(outputs: Mapping[str, object]) -> Layout | None:
 
 
 def encode_error(
-    error_type: str, message: str, timings: Mapping[str, float] | None = None, proof: bytes | None = None
+    error_type: str,
+    message: str,
+    timings: Mapping[str, float] | None = None,
+    proof: bytes | None = None,
+    served: Served | None = None,
 ) -> bytes:
     """A failed response frame (with the ``proof`` of the request it answers, when its request was
     read); very long messages are cut so the frame always fits the header limit."""
@@ -172,13 +212,16 @@ def encode_error(
         message = message[:_MAX_ERROR_MESSAGE_CHARS] + " [truncated]"
     error = {"type": error_type[:256], "message": message}
     return _encode(
-        _with_proof({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, proof), None
+        _with_proof({"kind": "response", "ok": False, "error": error, "timings": _timings(timings)}, proof, served),
+        None,
     )
 
 
-def _with_proof(body: dict[str, Any], proof: bytes | None) -> dict[str, Any]:
+def _with_proof(body: dict[str, Any], proof: bytes | None, served: Served | None = None) -> dict[str, Any]:
     if proof is not None:
         body["proof"] = proof
+    if served is not None:
+        body["served_by"] = served.as_map()
     return body
 
 
@@ -211,15 +254,27 @@ def decode_response(frame: bytes | bytearray | memoryview, *, max_bytes: int = D
     proof = header.get("proof")
     if proof is not None and not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES):
         _fail(f"header 'proof' must be {PROOF_BYTES} bytes (msgpack bin), got {_short(proof)}")
+    version, signature = _served_by(header.get("served_by"))
     ok = header.get("ok")
     if ok is True:
-        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings), proof)
+        return Response(_read_tensors(header, "outputs", data), None, _float_map(timings), proof, version, signature)
     if ok is not False:
         raise WireFormatError(f"header 'ok' must be true or false, got {_short(ok)}")
     error = header.get("error")
     if not isinstance(error, dict) or not all(isinstance(error.get(k), str) for k in ("type", "message")):
         raise WireFormatError("a failed response needs 'error': {'type': str, 'message': str}")
-    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings), proof)
+    return Response({}, RemoteError(error["type"], error["message"]), _float_map(timings), proof, version, signature)
+
+
+def _served_by(value: object) -> tuple[str | None, str | None]:
+    """A response's ``served_by`` (absent: a worker before model versions) as (version, signature)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or not all(
+        isinstance(value.get(k), str) and 0 < len(value[k]) <= MAX_SERVED_CHARS for k in ("version", "signature")
+    ):
+        _fail(f"header 'served_by' must be {{'version': str, 'signature': str}}, got {_short(value)}")
+    return value["version"], value["signature"]
 
 
 #: Bounds of a nonce (a producer's random bytes, which the worker's proof is made from).

@@ -79,6 +79,10 @@ class Response:
     #: ``wire.proof_of(model, the request's nonce)``: None when the request had no nonce, or the
     #: worker failed the job without reading it.
     proof: bytes | None = None
+    #: Which version of the model answered (``served_by.version``), and the digest of its signature
+    #: (``served_by.signature``); None from a worker before model versions, or one that said nothing.
+    version: str | None = None
+    signature: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +25,36 @@ from tests import onnx_models
 REPO = Path(__file__).resolve().parent.parent
 _names = itertools.count()
 
+#: Another server binary for every Redis the tests start (scripts/test.sh's Valkey pass:
+#: ORTQ_TEST_SERVER=valkey-server). ortq.localredis finds ``redis-server`` on PATH, so a link of
+#: that name to the chosen binary goes first on PATH: the session's Redis, each test's own
+#: LocalRedis and whatever subprocess starts one all run it.
+TEST_SERVER = os.environ.get("ORTQ_TEST_SERVER", "")
+
+
+def _put_test_server_on_path() -> Path | None:
+    if not TEST_SERVER:
+        return None
+    binary = shutil.which(TEST_SERVER)
+    if binary is None:
+        raise pytest.UsageError(f"ORTQ_TEST_SERVER={TEST_SERVER}: no such program (scripts/valkey.sh installs Valkey)")
+    links = Path(tempfile.mkdtemp(prefix="ortq-test-server-"))
+    atexit.register(shutil.rmtree, links, True)
+    (links / "redis-server").symlink_to(binary)
+    os.environ["PATH"] = f"{links}{os.pathsep}{os.environ['PATH']}"
+    return Path(binary).resolve()
+
+
+_TEST_SERVER_BINARY = _put_test_server_on_path()
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[LocalRedis]:
     """One redis-server for the whole run; tests keep apart by using their own model names."""
     with LocalRedis() as server:
+        if _TEST_SERVER_BINARY is not None:  # the pass really runs on the server it names
+            info = redis.Redis.from_url(server.url).info("server")
+            assert Path(info["executable"]).resolve() == _TEST_SERVER_BINARY, info
         yield server
 
 

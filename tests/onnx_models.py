@@ -72,16 +72,21 @@ def _f32(value: float) -> np.ndarray:
     return np.array(value, dtype=np.float32)
 
 
-def _affine(path: Path, name: str, batch: str | int) -> Path:
-    """``y = x * 2 + 1`` with input ``x`` float32 ``[batch, 4]``."""
+def _affine(path: Path, name: str, batch: str | int, scale: float = 2.0) -> Path:
+    """``y = x * scale + 1`` with input ``x`` float32 ``[batch, 4]``."""
     return _save(
         path,
         name,
         nodes=[helper.make_node("Mul", ["x", "two"], ["x2"]), helper.make_node("Add", ["x2", "one"], ["y"])],
         inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 4])],
         outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])],
-        initializers={"two": _f32(2.0), "one": _f32(1.0)},
+        initializers={"two": _f32(scale), "one": _f32(1.0)},
     )
+
+
+def retrained_tiny_model(path: Path, scale: float) -> Path:
+    """:func:`tiny_model`'s signature with other weights, ``y = scale * x + 1``: a new version of it."""
+    return _affine(path, "tiny", "batch", scale)
 
 
 def tiny_model(path: Path) -> Path:

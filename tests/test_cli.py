@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ortq.producer import Producer
+from ortq.worker.serve import file_version
 from tests.conftest import REPO, WorkerProcesses
 
 pytestmark = pytest.mark.rqcompat  # also in the second pass: the oldest click allowed
@@ -39,12 +40,15 @@ def test_infer_and_info(
     table = ortq("info", "--redis-url", redis_url)
     assert table.returncode == 0, table.stderr
     name = re.escape(model_name)
-    # One row per model (queued, running, finished, failed, workers, signature), one per worker.
+    version = re.escape(file_version(tiny_path))  # a worker started with no --model-version: its file's digest
+    # One row per model (version, queued, running, finished, failed, workers, signature), one per worker.
     assert re.search(
-        rf"^{name}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$", table.stdout, re.M
+        rf"^{name}\s+{version}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$",
+        table.stdout,
+        re.M,
     )
     assert re.search(
-        rf"^{name}\.\S+\s+{name}\s+idle\s+CPUExecutionProvider\s+cpu\s+\S+\s+\d+\s+1\s+0\s+\d+\.\d s ago$",
+        rf"^{name}\.\S+\s+{name}\s+{version}\s+idle\s+CPUExecutionProvider\s+cpu\s+\S+\s+\d+\s+1\s+0\s+\d+\.\d s ago$",
         table.stdout,
         re.M,
     )
@@ -55,6 +59,7 @@ def test_infer_and_info(
     assert model["workers"][0]["provider"] == "CPUExecutionProvider"
     assert model["workers"][0]["state"] == "idle" and 0 <= model["workers"][0]["heartbeat_age"] < 15
     assert model["signature"]["outputs"] == [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]
+    assert model["signature"]["version"] == model["workers"][0]["version"] == file_version(tiny_path)
 
 
 def test_infer_reports_bad_input_clearly(

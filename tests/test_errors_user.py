@@ -161,7 +161,7 @@ def _accepts(port: int) -> bool:
         (f"ortq:{PASSWORD}@cache:6379", "'cache:6379' has no scheme; did you mean redis://ortq:PASSWORD@cache:6379/0?"),
         (
             f"http://ortq:{PASSWORD}@cache:6379/0",
-            "must start with redis://, rediss:// or unix://, got 'http://ortq@cache",
+            "must start with redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel://, got 'http://ortq@cache",
         ),
         ("redis://cache:63796379/0", "redis_url 'redis://cache:63796379/0': Port out of range"),
         ("redis://cache:port/0", "redis_url 'redis://cache:port/0': Port could not be cast"),

@@ -1,5 +1,6 @@
 """deploy/grafana/ortq-dashboard.json: a well-formed dashboard whose PromQL only names metrics
-that ortq.metrics exposes, so that renaming a metric without the dashboard fails here."""
+that ortq.metrics (the workers) and ortq.exporter (``ortq exporter``) expose, so that renaming a
+metric without the dashboard fails here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ortq import exporter
 from ortq.metrics import METRIC_NAMES, WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "ortq-dashboard.json"
@@ -38,7 +40,8 @@ def metric_names(expr: str) -> set[str]:
 
 def exposed_series() -> set[str]:
     """Every name PromQL may use: METRIC_NAMES, plus _bucket/_sum/_count of the histograms
-    (their types read from a live WorkerMetrics registry, not assumed from the names)."""
+    (their types read from a live WorkerMetrics registry, not assumed from the names), and the
+    exporter's gauges (tests/test_exporter.py scrapes them from a real ``ortq exporter``)."""
     metrics = WorkerMetrics("m", "cpu", "CPUExecutionProvider", "w", queue_depth=lambda: 0)
     types = {family.name: family.type for family in metrics.registry.collect()}
     series = set(METRIC_NAMES)
@@ -46,7 +49,7 @@ def exposed_series() -> set[str]:
         assert name in types or name.removesuffix("_total") in types, f"{name} is not registered"
         if types.get(name) == "histogram":
             series |= {name + "_bucket", name + "_sum", name + "_count"}
-    return series
+    return series | set(exporter.METRIC_NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +113,14 @@ def test_every_queried_metric_is_exposed(dashboard: dict[str, Any]) -> None:
     # Every metric is on the dashboard somewhere.
     histograms = {n.removesuffix(s) for n in used for s in ("_bucket", "_sum", "_count") if n.endswith(s)}
     assert set(METRIC_NAMES) <= used | histograms
+    assert set(exporter.METRIC_NAMES) <= used
 
 
 def test_every_selector_follows_the_model_variable(dashboard: dict[str, Any]) -> None:
     for expr in exprs(dashboard):
         for match in re.finditer(r"(ortq_\w+)(\{[^}]*\})?", expr):
+            if match.group(1) == exporter.REDIS_UP:  # per Redis, of no model
+                continue
             assert 'model=~"$model"' in (match.group(2) or ""), f"{match.group(1)} in {expr}"
 
 
@@ -128,3 +134,16 @@ def test_the_asked_for_panels(dashboard: dict[str, Any]) -> None:
     # Every worker of a model reports the same queue: summing would multiply it by the workers.
     assert "max by (model) (ortq_queue_depth{" in joined
     assert "sum by (model) (ortq_queue_depth" not in joined
+
+
+def test_the_queue_panels_use_the_exporter(dashboard: dict[str, Any]) -> None:
+    """The queue is read from the exporter, whose series exist with no worker running (scaled to
+    zero); the model variable too, so that a model with no worker can be chosen."""
+    joined = "\n".join(exprs(dashboard))
+    for gauge in (exporter.QUEUE_LENGTH, exporter.RUNNING, exporter.OLDEST_AGE, exporter.WORKERS_ALIVE):
+        assert f"max by (model) ({gauge}{{" in joined, gauge  # one exporter per Redis: max, not sum
+        assert f"sum by (model) ({gauge}" not in joined
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["model"]["query"]["query"] == f"label_values({exporter.QUEUE_LENGTH}, model)"
+    [queue_panel] = [p for p in dashboard["panels"] if any(exporter.QUEUE_LENGTH in t["expr"] for t in p["targets"])]
+    assert any("ortq_queue_depth" in t["expr"] for t in queue_panel["targets"]), "the workers' view beside it"

@@ -84,3 +84,30 @@ def test_producers_get_a_clear_error_when_redis_is_gone(durable_redis: LocalRedi
     info = subprocess.run([sys.executable, "-m", "ortq", "info", "--redis-url", durable_redis.url],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert info.returncode == 1 and "Redis unavailable" in info.stderr and "Traceback" not in info.stderr, info.stderr
+
+
+def test_a_primary_that_refuses_writes_is_an_outage_the_worker_backs_off_from(
+    workers: WorkerProcesses, model_name: str, tiny_path: Path, tmp_path: Path
+) -> None:
+    """NOREPLICAS (``min-replicas-to-write`` with no replica: what a primary says during a failover,
+    docs/ha.md) refuses the worker's BLMOVE: the worker waits and retries with a backoff, as for an
+    unreachable Redis, instead of retrying at once in a loop, and serves again once writes are allowed."""
+    import time
+
+    import redis
+
+    with LocalRedis() as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        workers.serve(tiny_path, model_name, url)
+        admin = redis.Redis(port=server.port)
+        admin.config_set("min-replicas-to-write", 1)
+        time.sleep(3)
+        admin.config_set("min-replicas-to-write", 0)
+        log = workers.logs()
+        refusals = log.count("Redis refused the take")
+        assert 1 <= refusals <= 10, log[-2000:]  # 0.5 s, 1 s, 2 s ... apart, not one a millisecond
+        assert "NOREPLICAS" in log
+        x = np.ones((1, 4), np.float32)
+        with Producer(settings=Settings.from_url(url)) as producer:
+            expected = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            np.testing.assert_array_equal(producer.infer(model_name, {"x": x}, timeout=30)["y"], expected)

@@ -229,7 +229,7 @@ def test_a_forged_held_job_in_a_worker_record_shows_as_no_current_job(
         assert shown() is None
         table = format_info(collect(connection))  # `ortq info`'s tables: unknowns shown as such
         [row] = [line.split() for line in table.splitlines() if line.startswith(records.name + " ")]
-        assert row[:4] == [records.name, model_name, "busy", "?"]
+        assert row[:5] == [records.name, model_name, "?", "busy", "?"]  # a record with no version: "?"
         page = create_app(Settings.from_url(redis_url)).test_client().get("/")  # ortq's page, likewise
         assert page.status_code == 200 and '<td data-field="host">? / ?</td>' in page.text
         record["held_job"] = "a" * 128  # a job id: shown while busy, not once idle

@@ -145,7 +145,10 @@ def test_the_spec_is_parsed_with_a_default_for_every_model_not_listed() -> None:
         ("digits=redis://a:6379/0,redis://:s3cret@b:6379/0", "entry 2 ('redis://b:6379/0') is not MODEL=URL"),
         ("=redis://a:6379/0", "a model name is empty"),
         ("conv=redis://a:6379/0,conv=redis://b:6379/0", "model 'conv' is given twice (entry 2)"),
-        ("conv=http://a:6379/0", "model 'conv': redis_url must start with redis://, rediss:// or unix://"),
+        (
+            "conv=http://a:6379/0",
+            "model 'conv': redis_url must start with redis://, rediss://, unix://, redis+sentinel://",
+        ),
         ("conv=a:6379/0", "model 'conv': redis_url 'a:6379/0' has no scheme; did you mean redis://a:6379/0?"),
         ("conv=redis://:s3cret@a:6379/x", "model 'conv': redis_url 'redis://a:6379/x': after HOST:PORT comes the"),
         ("conv=rediss://a?ssl_ca_certs=/no/such.crt", "model 'conv': redis_url option ssl_ca_certs=/no/such.crt: no"),
@@ -284,9 +287,13 @@ def test_info_lists_every_redis_and_infer_follows_the_map(
     table = ortq("info", "--redis-url", redis_url, "--shards", shards)
     assert table.returncode == 0, table.stderr
     assert PASSWORD not in table.stdout + table.stderr
-    assert re.search(rf"^{BIG}\s+{re.escape(shown_big)}\s+0\s+0\s+\d+\s+0\s+1\s+image: float32", table.stdout, re.M)
-    assert re.search(rf"^{SMALL}\s+{re.escape(redis_url)}\s+0\s+0\s+\d+\s+0\s+1\s+x: float32", table.stdout, re.M)
-    assert re.search(rf"^{BIG}\.\S+\s+{BIG}\s+{re.escape(shown_big)}\s+\w+\s+CPUExecutionProvider", table.stdout, re.M)
+    assert re.search(
+        rf"^{BIG}\s+{re.escape(shown_big)}\s+\S+\s+0\s+0\s+\d+\s+0\s+1\s+image: float32", table.stdout, re.M
+    )
+    assert re.search(rf"^{SMALL}\s+{re.escape(redis_url)}\s+\S+\s+0\s+0\s+\d+\s+0\s+1\s+x: float32", table.stdout, re.M)
+    assert re.search(
+        rf"^{BIG}\.\S+\s+{BIG}\s+{re.escape(shown_big)}\s+\S+\s+\w+\s+CPUExecutionProvider", table.stdout, re.M
+    )
     assert "WARNING" not in table.stdout
 
     # The map from the environment, in JSON; and a map that sends SMALL where its worker is not.

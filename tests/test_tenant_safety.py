@@ -52,7 +52,8 @@ ONE_MODEL_RULES = (
     "+type +strlen +set +get +mget +expire +hset +hget +sadd +srandmember +rpush +lpush +linsert +llen +lrem "
     "+xread +zadd "
     "%W~ortq:req:{model}:* ~rq:job:* %W~rq:queues ~rq:queue:ortq:{model} ~ortq:last-high:{model} "
-    "%R~ortq:reply:{model}:* %W~rq:canceled:ortq:{model} %R~ortq:signature:{model} %R~ortq:workers %R~ortq:worker:* "
+    "%R~ortq:reply:{model}:* %W~rq:canceled:ortq:{model} %R~ortq:signature:{model} %R~ortq:signature:{model}@* "
+    "%R~ortq:workers %R~ortq:worker:* "
     "(+del %W~ortq:req:{model}:* %W~rq:job:*)"
 )
 MODEL, OTHER = "tenant-a", "tenant-b"

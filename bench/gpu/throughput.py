@@ -272,7 +272,7 @@ def ortq_drain(
             want = [session.run(None, x)[0] for x in inputs]
             sampled = [jobs[i] for i in range(0, work.jobs, max(1, work.jobs // 200))]
             responses = responses_of(producer, sampled)
-            checked = [outputs_of(response, j.id) for response, j in zip(responses, sampled, strict=True)]
+            checked = [outputs_of(response, j) for response, j in zip(responses, sampled, strict=True)]
             worst, close = agreement(checked, [want[(i * max(1, work.jobs // 200)) % 8] for i in range(len(checked))])
             # Each answer's "run": its group's run as the worker's main thread timed it (the inputs
             # joined, session.run, the outputs split), GIL hand-back included: against direct's.

@@ -137,6 +137,8 @@ code { font-size: .95em; }
 {% endfor %}
 </dl>
 {% if m.signature %}
+{% if m.signature.version is string %}<p>current version <code data-field="version">{{ m.signature.version }}</code>
+<span class="muted">(that of the worker that started last)</span></p>{% endif %}
 <p>{% for kind in ("inputs", "outputs") %}{{ kind }}:
 {% for s in m.signature[kind] %}<code>{{ s.name }}: {{ s.dtype }}[
 {%- for d in s.shape %}{{ '?' if d is none else d }}{{ ', ' if not loop.last }}{% endfor %}]</code>
@@ -145,11 +147,12 @@ code { font-size: .95em; }
 <h3>workers ({{ m.workers | length }})</h3>
 {% if m.workers %}
 <table>
-<tr><th>worker</th><th>ready</th><th>state</th><th>provider</th><th>adapter</th><th>host / pid</th>
+<tr><th>worker</th><th>version</th><th>ready</th><th>state</th><th>provider</th><th>adapter</th><th>host / pid</th>
 <th>ok</th><th>failed</th><th>current job</th><th>last heartbeat</th></tr>
 {% for w in m.workers %}
 <tr class="worker" data-worker="{{ w.name }}">
 <td data-field="name">{{ w.name }}</td>
+<td data-field="version">{{ w.version or "?" }}</td>
 {% if w.state in ready_states %}<td data-field="ready" class="ready">ready</td>
 {% else %}<td data-field="ready" class="notready">not ready</td>{% endif %}
 <td data-field="state"{% if w.state == "gone" %} class="bad"{% endif %}>{{ state_text(w) }}</td>

@@ -41,6 +41,7 @@ _FROM_KEY = {
     "ORTQ_ROWS_INDEPENDENT": "rows_independent",
     "ORTQ_STALL_SECONDS": "stall_seconds",
     "ORTQ_JOB_TIMEOUT": "job_timeout",
+    "ORTQ_MODEL_VERSION": "version",
     "ORTQ_REDIS_URL": "redis_url in [pool] or [[model]]",
     SHARDS_ENV_VAR: "redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
     "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
@@ -111,6 +112,8 @@ class ModelConfig:
     #: ``ortq worker --stall-seconds`` (None: its default) and ``--job-timeout`` (None: no limit).
     stall_seconds: float | None = None
     job_timeout: float | None = None
+    #: ``ortq worker --model-version`` (None: the model file's digest).
+    version: str | None = None
 
     @property
     def worker_count(self) -> int:
@@ -302,8 +305,10 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
 def _redis_url(table: Table) -> str | None:
     """The table's ``redis_url`` (its scheme checked here; the rest where the map or settings are made)."""
     url = table.string("redis_url")
-    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise table.error(f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(url)!r}")
+    schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+    if url is not None and not url.startswith(schemes):
+        expected = f"{', '.join(schemes[:-1])} or {schemes[-1]}"
+        raise table.error(f"redis_url must start with {expected}, got {redacted_url(url)!r}")
     return url
 
 
@@ -373,6 +378,7 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         ep_name=ep_name,
         stall_seconds=table.number("stall_seconds", None, 0),
         job_timeout=table.number("job_timeout", None, 0, above=True),
+        version=_version(table),
     )
     table.finish()
     if not model.groups:
@@ -402,3 +408,14 @@ def _group(table: Table, provider: str) -> WorkerGroup:
     if group.adapter is not None and provider in ("cpu", "auto"):
         raise table.error(f"adapter does not apply to provider {provider!r} (a CPU pool says only how many: count = N)")
     return group
+
+
+def _version(table: Table) -> str | None:
+    """A model's ``version`` (ortq worker --model-version), checked as the worker checks it."""
+    version = table.string("version")
+    if version is not None:
+        try:
+            keys.check_version_name(version)
+        except ConfigurationError as exc:
+            raise table.error(str(exc)) from None
+    return version

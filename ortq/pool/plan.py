@@ -301,6 +301,7 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
         options += ["--policy", m.policy] if m.provider == "auto" else []
         options += ["--stall-seconds", f"{m.stall_seconds:g}"] if m.stall_seconds is not None else []
         options += ["--job-timeout", f"{m.job_timeout:g}"] if m.job_timeout is not None else []
+        options += ["--model-version", m.version] if m.version is not None else []
         flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
         options += [flag for flag, on in flags.items() if on]
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.

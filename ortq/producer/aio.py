@@ -10,6 +10,7 @@ once, on at most ``max_reads`` more connections. One producer belongs to one eve
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,10 +20,11 @@ from typing import Any, Unpack
 import numpy as np
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ortq import keys, wire
+from ortq import keys, sentinel, tracing, wire
 from ortq.control import MAX_WORKERS
 from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
@@ -52,10 +54,12 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     async def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
         """The job's outputs, once its response arrives (at most ``timeout`` seconds): read-only views
         onto the received frame. InferenceFailed if the worker failed it, ResultTimeout if nothing came."""
-        return enqueue.outputs_of(await self.producer.wait_response(self.id, self.model, timeout, self.proof), self.id)
+        return enqueue.outputs_of(await self.producer.wait_response(self.id, self.model, timeout, self.proof), self)
 
     async def cancel(self) -> bool:
-        """Take the job off its queue if no worker has started it; returns whether it was removed."""
+        """Take the job off its queue if no worker has started it, else ask the worker running it to stop
+        it (within a heartbeat; it then fails with JobStopped, RQ's status ``stopped``); returns whether
+        either was done (False: the job ended, or is unknown)."""
         return await self.producer.cancel(self.id, self.model)
 
 
@@ -122,29 +126,39 @@ class AsyncProducer:
         }
         try:
             owned = connection is None
-            if connection is None:
+            if connection is None and sentinel.is_sentinel_url(redis_url):
+                # redis-py's Sentinel pool (waiting for a free connection, as the one below does).
+                connection = sentinel.async_connect(redis_url, self._max_connections, **options)
+            elif connection is None:
                 pool = redis.asyncio.BlockingConnectionPool.from_url(
                     redis_url, max_connections=self._max_connections, timeout=None, **options
                 )
                 connection = redis.asyncio.Redis.from_pool(pool)
-            # The reader's own pool: the same server and login, its blocks under its socket timeout
-            # (the reader rides out an outage itself, backing off).
-            kwargs = {**connection.connection_pool.connection_kwargs, **options}
-            reader_pool = redis.asyncio.BlockingConnectionPool(
-                connection_class=connection.connection_pool.connection_class,
-                max_connections=self._max_reads,
-                timeout=None,
-                **kwargs,
-            )
+            reader_client = self._reader_client(connection, options)
         except ValueError as exc:  # a query option redis-py cannot read
             raise ConfigurationError(f"redis_url {redacted_url(redis_url)!r}: {exc}") from None
         reader = ReplyReader(
-            redis.asyncio.Redis.from_pool(reader_pool),
+            reader_client,
             max_bytes=self.settings.max_frame_bytes,
             block=faults.block_seconds(self.settings, self.settings.socket_timeout),
             reads=self._max_reads,
         )
         return _Redis(connection, reader, owned)
+
+    def _reader_client(self, connection: redis.asyncio.Redis, options: dict[str, Any]) -> redis.asyncio.Redis:
+        """The reader's own pool: the same server and login as ``connection``'s, its blocks under
+        its socket timeout (the reader rides out an outage itself, backing off). For a Sentinel
+        group: the same sentinels' primary, so that both pools follow a failover."""
+        pool = connection.connection_pool
+        kwargs = {**pool.connection_kwargs, **options}
+        if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
+            kwargs.pop("connection_pool")  # the Sentinel pool sets its own
+            kwargs["connection_class"] = pool.connection_class
+            return sentinel.async_primary(pool.sentinel_manager, pool.service_name, self._max_reads, **kwargs)
+        reader_pool = redis.asyncio.BlockingConnectionPool(
+            connection_class=pool.connection_class, max_connections=self._max_reads, timeout=None, **kwargs
+        )
+        return redis.asyncio.Redis.from_pool(reader_pool)
 
     def _redis_for(self, model: str) -> _Redis:
         return self._default if self._routes is None else self._routes.client(model)
@@ -180,29 +194,32 @@ class AsyncProducer:
 
     # ------------------------------------------------------------------ models
 
-    async def signature(self, model: str) -> ModelSignature | None:
-        """The signature the model's workers published, or None if none has (yet)."""
-        cached = self._signatures.get(model, time.monotonic())
+    async def signature(self, model: str, version: str | None = None) -> ModelSignature | None:
+        """The signature the model's workers published (of ``version``; None: the current one, that
+        of the worker that started last), or None if none has (yet)."""
+        keys.check_model_name(model)
+        key = keys.signature_key(model, None if version is None else keys.check_version_name(version))
+        cached = self._signatures.get(key, time.monotonic())
         if cached is not None:
             return cached
-        key = keys.signature_key(keys.check_model_name(model))
         try:
             raw = await self.connection_for(model).get(key)
         except redis.RedisError as exc:
             doing = f"could not read the signature of {model!r}"
             raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
         signature = checks.parse_signature(raw, model)
-        self._signatures.put(model, signature, time.monotonic())
+        self._signatures.put(key, signature, time.monotonic())
         return signature
 
-    async def _checked_model(self, model: str) -> ModelSignature | None:
+    async def _checked_model(self, model: str, version: str | None = None) -> ModelSignature | None:
         keys.check_model_name(model)
         if self.allow_unknown_models and not self.validate:
             return None
-        signature = await self.signature(model)
+        signature = await self.signature(model, version)
         if signature is None and not self.allow_unknown_models:
             shard = None if self._routes is None else self._routes.where(model)
-            raise checks.unknown_model(model, await self._live_records(self.connection_for(model)), shard)
+            records = await self._live_records(self.connection_for(model))
+            raise checks.unknown_model(model, records, shard, version)
         return signature if self.validate else None
 
     async def _live_records(self, connection: redis.asyncio.Redis) -> list[dict[str, Any]]:
@@ -249,6 +266,9 @@ class AsyncProducer:
         retries: int = 0,
         retry_backoff: float = 0,
         priority: str = "normal",
+        version: str | None = None,
+        job_id: str | None = None,
+        unique: bool = False,
     ) -> AsyncInferenceJob:
         """Validate and enqueue one job; returns at once with a handle. The options are ``Producer.submit``'s."""
         jobs = await self.submit_many(
@@ -259,9 +279,13 @@ class AsyncProducer:
             retries=retries,
             retry_backoff=retry_backoff,
             priority=priority,
+            version=version,
+            job_ids=None if job_id is None else [job_id],
+            unique=unique,
         )
         return jobs[0]
 
+    @tracing.sends_async  # one ortq.send span per call, when tracing is on (docs/tracing.md)
     async def submit_many(
         self,
         model: str,
@@ -272,18 +296,22 @@ class AsyncProducer:
         retries: int = 0,
         retry_backoff: float = 0,
         priority: str = "normal",
+        version: str | None = None,
+        job_ids: Iterable[str] | None = None,
+        unique: bool = False,
     ) -> list[AsyncInferenceJob]:
         """Validate every job first (options, model, inputs, queue room), then enqueue them all in
         one MULTI/EXEC round trip."""
         options = checks.job_options(
             self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
-            priority=priority,
+            priority=priority, version=version,
         )  # fmt: skip
-        signature = await self._checked_model(model)
+        signature = await self._checked_model(model, version)
         many = list(many_inputs)
         nonces = [enqueue.new_nonce() for _ in many]
         size = self.settings.max_frame_bytes
         frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
+        chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
         if not frames:
             return []
         connection = self.connection_for(model)
@@ -295,13 +323,45 @@ class AsyncProducer:
                 raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
             checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
         try:
+            if chosen is not None:
+                return await self._enqueue_chosen(connection, model, frames, options, chosen, nonces, signature, unique)
             ids = await self._enqueue(connection, model, frames, options)
         except redis.RedisError as exc:
             error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
             if isinstance(error, BrokerUnavailable):
                 error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
             raise error from exc
-        return [AsyncInferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
+        digest = None if signature is None else signature.digest
+        return [AsyncInferenceJob(self, i, model, nonce, digest, version) for i, nonce in zip(ids, nonces, strict=True)]
+
+    async def _enqueue_chosen(
+        self,
+        connection: Any,
+        model: str,
+        frames: list[bytes],
+        options: JobOptions,
+        ids: list[str],
+        nonces: list[bytes],
+        signature: ModelSignature | None,
+        unique: bool,
+    ) -> list[AsyncInferenceJob]:
+        """Enqueue each job under the id chosen for it unless a job of that id exists (never
+        overwritten): by FCALL, or EVAL where this Redis lacks the function; see ``submit``."""
+        results: list[Any] = [None] * len(ids)
+        todo = list(range(len(ids)))
+        for by_eval in (False, True):
+            async with connection.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
+                replies = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, replies, strict=True):
+                results[i] = reply
+            todo = enqueue.missing_function(todo, results)
+            if not todo:
+                break
+        digest = None if signature is None else signature.digest
+        make = functools.partial(AsyncInferenceJob, self)
+        return enqueue.chosen_handles(make, model, ids, nonces, results, unique, digest, options.version)
 
     async def _enqueue(
         self, connection: redis.asyncio.Redis, model: str, frames: list[bytes], options: JobOptions
@@ -411,14 +471,14 @@ class AsyncProducer:
         first job (in order) that failed, ResultTimeout if some had no result in time."""
         models, proofs = [job.model for job in jobs], [job.proof for job in jobs]
         responses = await self.wait_responses([job.id for job in jobs], models, timeout, proofs)
-        return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
+        return [enqueue.outputs_of(response, job) for job, response in zip(jobs, responses, strict=True)]
 
     async def cancel(self, job_id: str, model: str) -> bool:
-        """Remove a queued job (see AsyncInferenceJob.cancel)."""
+        """Remove a queued job, or stop a started one (see AsyncInferenceJob.cancel)."""
         connection = self.connection_for(model)
         try:
             if not await connection.lrem(keys.queue_key(model), 0, job_id):
-                return False
+                return await self._request_stop(connection, job_id, model)
             async with connection.pipeline(transaction=True) as pipe:
                 enqueue.add_cancel(pipe, job_id, model)
                 await pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
@@ -426,3 +486,16 @@ class AsyncProducer:
             wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
             raise faults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
         return True
+
+    async def _request_stop(self, connection: Any, job_id: str, model: str) -> bool:
+        """Mark a started job for its worker to stop (ortq.worker.stops), by FCALL, or EVAL where
+        this Redis lacks the function."""
+        for by_eval in (False, True):
+            async with connection.pipeline(transaction=False) as pipe:
+                enqueue.add_request_stop(pipe, job_id, model, by_eval)
+                [reply] = await pipe.execute(raise_on_error=False)
+            if not (isinstance(reply, redis.ResponseError) and enqueue.is_missing_function(reply)):
+                break
+        if isinstance(reply, Exception):
+            raise reply
+        return bool(reply)

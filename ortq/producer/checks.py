@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ortq import keys, wire
+from ortq import keys, tracing, wire
 from ortq.errors import (
     ConfigurationError,
     CorruptRecord,
@@ -68,6 +68,7 @@ def job_options(
     retries: object = 0,
     retry_backoff: object = 0,
     priority: object = "normal",
+    version: object = None,
 ) -> JobOptions:
     """The per-job options of a submit, checked (ConfigurationError says which one is wrong)."""
     if isinstance(retries, bool) or not isinstance(retries, numbers.Integral):
@@ -85,6 +86,7 @@ def job_options(
         retries=int(retries),
         retry_backoff=seconds("retry_backoff", retry_backoff, zero=True),
         priority=priority,
+        version=None if version is None else keys.check_version_name(version),
     )
 
 
@@ -139,7 +141,7 @@ def encode_job(inputs: object, signature: ModelSignature | None, nonce: bytes, m
     arrays = {name: wire.as_wire_array(name, value) for name, value in inputs.items()}
     if signature is not None:
         signature.check_inputs(arrays)
-    frame = wire.encode_request(arrays, {"nonce": nonce})
+    frame = wire.encode_request(arrays, tracing.request_options(nonce))  # the nonce, after any trace context
     if len(frame) > max_bytes:
         raise PayloadTooLarge(
             f"the request is {len(frame)} bytes, over max_frame_bytes ({max_bytes}): workers would refuse it"
@@ -178,11 +180,21 @@ def live_records(raws: Iterable[object]) -> list[dict[str, Any]]:
     return records
 
 
-def unknown_model(model: str, records: Iterable[Mapping[str, Any]], shard: str | None = None) -> UnknownModel:
+def unknown_model(
+    model: str, records: Iterable[Mapping[str, Any]], shard: str | None = None, version: str | None = None
+) -> UnknownModel:
     """The error for a submit to ``model``, which has no published signature; ``records``: the
     live workers, whose models are listed (and the closest one suggested). ``shard``: the Redis the
     shard map gives the model (password left out), named because a worker started on another one
-    looks exactly like this."""
+    looks exactly like this. ``version``: the version the submit pinned, which no worker served."""
+    if version is not None:
+        versions = sorted({str(r.get("version")) for r in records if r.get("model") == model and r.get("version")})
+        live = f"live workers of {model!r} serve {', '.join(versions)}" if versions else f"no worker of {model!r} runs"
+        return UnknownModel(
+            f"no worker has served version {version!r} of model {model!r} (it has no published signature); nothing "
+            f"was enqueued ({live}). Start one with ortq worker --name {model} --model-version {version}, or make the "
+            "producer with allow_unknown_models=True to enqueue for workers that start later"
+        )
     served = sorted({str(r["model"]) for r in records if isinstance(r.get("model"), str)})
     close = difflib.get_close_matches(model, served, n=1)
     found = f"Models with workers: {', '.join(served)}." if served else "No worker is running."

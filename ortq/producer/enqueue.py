@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 from uuid import uuid4
@@ -18,7 +18,17 @@ from uuid import uuid4
 import redis
 
 from ortq import keys, wire
-from ortq.errors import CorruptRecord, InferenceFailed, JobNotFound, OrtqError, ResponseMismatch, WireFormatError
+from ortq.errors import (
+    ConfigurationError,
+    CorruptRecord,
+    InferenceFailed,
+    JobExists,
+    JobNotFound,
+    OrtqError,
+    ResponseMismatch,
+    VersionMismatch,
+    WireFormatError,
+)
 from ortq.producer import faults, priority
 from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
@@ -29,6 +39,7 @@ from ortq.settings import frame_argument
 MAX_SECONDS = 365 * 24 * 3600
 
 P = TypeVar("P")
+H = TypeVar("H")
 
 
 class JobHandle(Generic[P]):
@@ -36,13 +47,26 @@ class JobHandle(Generic[P]):
     request carried, from which its response's proof is made (None: not checked, for a handle on a
     job submitted elsewhere)."""
 
-    def __init__(self, producer: P, job_id: str, model: str, nonce: bytes | None = None) -> None:
+    def __init__(
+        self,
+        producer: P,
+        job_id: str,
+        model: str,
+        nonce: bytes | None = None,
+        signature: str | None = None,
+        version: str | None = None,
+    ) -> None:
         self.producer = producer
         self.id = job_id
         self.model = model
         self.nonce = nonce
         #: The proof its response must carry (wire.proof_of), or None when it is not checked.
         self.proof = None if nonce is None else wire.proof_of(model, nonce)
+        #: The digest of the signature its inputs were checked against (None: not checked): only a
+        #: version of the model with that signature may answer it.
+        self.signature = signature
+        #: The version it is pinned to (None: whichever version takes it).
+        self.version = version
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, model={self.model!r})"
@@ -65,6 +89,7 @@ class JobOptions:
     retries: int = 0  # how many times a run that fails (other than for bad input) is tried again
     retry_backoff: int = 0  # seconds before the first retry, doubling for each next one; 0: at once
     priority: str = "normal"  # one of PRIORITIES
+    version: str | None = None  # the model version it is pinned to (None: any)
 
     @property
     def wait_ttl(self) -> int:
@@ -80,6 +105,7 @@ class SubmitOptions(TypedDict, total=False):
     retries: int
     retry_backoff: float
     priority: str
+    version: str | None
 
 
 def new_nonce() -> bytes:
@@ -104,6 +130,8 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
         fields["ttl"] = options.ttl
     if options.priority != "normal":
         fields["ortq_priority"] = options.priority
+    if options.version is not None:
+        fields["ortq_version"] = options.version
     if options.job_timeout is not None:
         fields["timeout"] = options.job_timeout
     if options.retries:
@@ -204,6 +232,100 @@ def add_enqueue_high_by_eval(pipe: Any, model: str, job_id: str, options: JobOpt
     pipe.eval(priority.script_source(), 2, keys.queue_key(model), keys.last_high_key(model), job_id, options.wait_ttl)
 
 
+def add_enqueue_unique(
+    pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str, by_eval: bool = False
+) -> None:
+    """Queue the enqueue of one job under the id its producer chose, unless a job of that id exists
+    (priority.UNIQUE_FUNCTION, enqueue_unique.lua): its reply is 1 (enqueued), 0 (this model's job
+    of that id exists) or -1 (another model's, or no job hash). ``by_eval``: by EVAL, not FCALL."""
+    wait = options.wait_ttl
+    fields = job_hash(model, options, layout.utcformat(layout.utcnow()))
+    names = [keys.job_key(job_id), keys.queue_key(model), keys.last_high_key(model)]
+    args = [job_id, frame_argument(frame), wait, wait + options.failure_ttl, options.priority, keys.queue_name(model)]
+    args += [keys.request_key(model, job_id), keys.reply_key(model, job_id), keys.RQ_QUEUES_SET]
+    args += [part for pair in fields.items() for part in pair]
+    if by_eval:
+        pipe.eval(priority.unique_script_source(), len(names), *names, *args)
+    else:
+        pipe.fcall(priority.UNIQUE_FUNCTION, len(names), *names, *args)
+
+
+def check_job_ids(job_ids: Iterable[object], count: int) -> list[str]:
+    """The ids a producer chose for ``count`` jobs: each as RQ's ids are (letters, digits, ``_``,
+    ``-``; at most 128), none twice; ConfigurationError otherwise."""
+    ids = list(job_ids)
+    if len(ids) != count:
+        raise ConfigurationError(f"job_ids: {len(ids)} ids for {count} jobs")
+    for job_id in ids:
+        if not isinstance(job_id, str) or len(job_id) > 128 or not layout.JOB_ID.fullmatch(job_id):
+            raise ConfigurationError(
+                f"job id {str(job_id)[:80]!r}: use 1-128 characters from A-Z a-z 0-9 _ - (RQ's job ids)"
+            )
+    if len(set(ids)) != len(ids):
+        raise ConfigurationError("job_ids: an id is given twice")
+    return [str(job_id) for job_id in ids]
+
+
+def unique_outcome(model: str, ids: list[str], results: list[Any], unique: bool) -> tuple[list[bool], str | None]:
+    """From the replies of :func:`add_enqueue_unique` for ``ids``: whether each was enqueued (False:
+    its model's job of that id exists, returned as it is when ``unique``), and why the submit is
+    refused (None: it is not): an id of another model's job, or one that exists without ``unique``."""
+    for job_id, reply in zip(ids, results, strict=True):
+        if isinstance(reply, Exception):
+            if isinstance(reply, redis.RedisError) and not faults.is_wrong_type(reply):
+                raise faults.failure(reply, f"could not enqueue job {job_id} for {model!r}")
+            raise CorruptRecord(f"could not enqueue job {job_id} for {model!r}: {reply}")
+    fresh = [reply == 1 for reply in results]
+    foreign = [job_id for job_id, reply in zip(ids, results, strict=True) if reply == -1]
+    taken = [job_id for job_id, reply in zip(ids, results, strict=True) if reply == 0]
+    if foreign:
+        return fresh, f"job id(s) {', '.join(foreign[:5])} belong to another model's job (or hold no job hash)"
+    if taken and not unique:
+        return fresh, (
+            f"a job of id(s) {', '.join(taken[:5])} exists for {model!r} (queued, running, or answered): nothing "
+            "was overwritten; submit with unique=True to get the existing job instead"
+        )
+    return fresh, None
+
+
+def add_request_stop(pipe: Any, job_id: str, model: str, by_eval: bool = False) -> None:
+    """Queue the request to stop a started job (priority.STOP_FUNCTION, request_stop.lua): its
+    reply is 1 when the job was started (its worker stops it within a heartbeat), else 0."""
+    args = [keys.queue_name(model), int(layout.utcnow().timestamp())]
+    if by_eval:
+        pipe.eval(priority.stop_script_source(), 1, keys.job_key(job_id), *args)
+    else:
+        pipe.fcall(priority.STOP_FUNCTION, 1, keys.job_key(job_id), *args)
+
+
+def chosen_handles(
+    make: Callable[..., H],
+    model: str,
+    ids: list[str],
+    nonces: list[bytes],
+    results: list[Any],
+    unique: bool,
+    signature: str | None,
+    version: str | None,
+) -> list[H]:
+    """The handles of a submit under chosen ids, from the replies of its :func:`add_enqueue_unique`
+    calls (``make``: the producer's handle class, bound to it); JobExists when it is refused. An
+    existing job's handle checks no proof: its nonce is its first submitter's."""
+    fresh, refused = unique_outcome(model, ids, results, unique)
+    jobs = [
+        make(job_id, model, nonce, signature, version) if new else make(job_id, model)
+        for job_id, nonce, new in zip(ids, nonces, fresh, strict=True)
+    ]
+    if refused is not None:
+        raise JobExists(refused, [job for job, new in zip(jobs, fresh, strict=True) if new])
+    return jobs
+
+
+def missing_function(todo: list[int], results: list[Any]) -> list[int]:
+    """Those of ``todo`` whose call found no ortq function in this Redis: to be sent by EVAL."""
+    return [i for i in todo if isinstance(results[i], Exception) and is_missing_function(results[i])]
+
+
 def add_cancel(pipe: Any, job_id: str, model: str) -> None:
     """What cancelling a job that was taken off its queue writes (after a successful LREM), as
     RQ's ``Job.cancel``: status canceled, RQ's canceled registry; and its request frame deleted."""
@@ -261,11 +383,31 @@ def status_of(raw: bytes | str | None, job_id: str) -> str:
     return keys.as_text(raw)
 
 
-def outputs_of(response: wire.Response, job_id: str) -> dict[str, Any]:
-    """A response's outputs; InferenceFailed when the worker failed the job."""
+def outputs_of(response: wire.Response, job: JobHandle[Any]) -> dict[str, Any]:
+    """A response's outputs; InferenceFailed when the worker failed the job, VersionMismatch when
+    a version of the model it may not be answered by did (:func:`check_served`)."""
+    check_served(response, job)
     if response.error is not None:
-        raise InferenceFailed(job_id, response.error.type, response.error.message)
+        raise InferenceFailed(job.id, response.error.type, response.error.message)
     return response.outputs
+
+
+def check_served(response: wire.Response, job: JobHandle[Any]) -> wire.Response:
+    """``response``, unless it came from a version of the model that may not answer ``job``: another
+    than the one it is pinned to, or one whose signature is not the one its inputs were checked
+    against (VersionMismatch). An answer naming no version (the worker's fixed words for a request
+    it could not read, or a worker before model versions) passes unless the job is pinned."""
+    served, signature = response.version, response.signature
+    if job.version is not None and served != job.version:
+        by = "a worker that names no version" if served is None else f"version {served!r}"
+        pinned = f"job {job.id} is pinned to version {job.version!r} of {job.model!r}"
+        raise VersionMismatch(f"{pinned} but was answered by {by}")
+    if job.signature is not None and signature is not None and signature != job.signature:
+        raise VersionMismatch(
+            f"job {job.id} was checked against signature {job.signature} of {job.model!r} but answered by version "
+            f"{served!r}, whose signature is {signature} (the model changed under a rollout); submit it again"
+        )
+    return response
 
 
 def frame_of(entries: Any, key: str) -> bytes:

@@ -32,9 +32,12 @@ def is_wrong_type(exc: BaseException) -> bool:
 
 def is_refused(exc: BaseException) -> bool:
     """The Redis user may not run that command on that key (ACL); inside a script or function,
-    Redis 7.0 words it "The user executing the script can't run this command"."""
+    Redis 7.0 words it "The user executing the script can't run this command", Valkey 8 "ACL failure
+    in script: User ... has no permissions to run the '...' command" (no NOPERM either)."""
     text = str(exc)
-    return isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in text or "can't run this command" in text
+    return isinstance(exc, redis.exceptions.NoPermissionError) or any(
+        words in text for words in ("NOPERM", "can't run this command", "ACL failure in script")
+    )
 
 
 def failure(exc: redis.RedisError, doing: str, wrong_type: str | None = None) -> OrtqError:

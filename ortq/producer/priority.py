@@ -29,10 +29,9 @@ def _body() -> str:
 @cache
 def library_source() -> str:
     """The library for FUNCTION LOAD."""
-    body = "\n".join("  " + line for line in _body().splitlines())
     return (
         f"#!lua name={LIBRARY}\n"
-        f"local function enqueue_high(keys, args)\n{body}\nend\n"
+        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
         f"redis.register_function('{FUNCTION}', enqueue_high)\n"
     )
 
@@ -43,14 +42,60 @@ def script_source() -> str:
     return "local keys, args = KEYS, ARGV\n" + _body()
 
 
+#: The library of the calls on one job that need to look before they write: an enqueue under a
+#: producer's own job id (``enqueue_unique.lua``, which inserts a high-priority job with the code
+#: above, as a local function of its own) and a stop request (``request_stop.lua``).
+JOBS_LIBRARY = "ortq_jobs_v1"
+UNIQUE_FUNCTION = "ortq_enqueue_unique_v1"
+STOP_FUNCTION = "ortq_request_stop_v1"
+
+
+@cache
+def _lua(name: str) -> str:
+    return (Path(__file__).parent / f"{name}.lua").read_text()
+
+
+def _indented(body: str) -> str:
+    return "\n".join("  " + line for line in body.splitlines())
+
+
+@cache
+def jobs_library_source() -> str:
+    """The jobs library for FUNCTION LOAD."""
+    return (
+        f"#!lua name={JOBS_LIBRARY}\n"
+        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
+        f"local function enqueue_unique(keys, args)\n{_indented(_lua('enqueue_unique'))}\nend\n"
+        f"local function request_stop(keys, args)\n{_indented(_lua('request_stop'))}\nend\n"
+        f"redis.register_function('{UNIQUE_FUNCTION}', enqueue_unique)\n"
+        f"redis.register_function('{STOP_FUNCTION}', request_stop)\n"
+    )
+
+
+@cache
+def unique_script_source() -> str:
+    """The unique enqueue for EVAL."""
+    return (
+        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
+        f"local keys, args = KEYS, ARGV\n{_lua('enqueue_unique')}"
+    )
+
+
+@cache
+def stop_script_source() -> str:
+    """The stop request for EVAL."""
+    return f"local keys, args = KEYS, ARGV\n{_lua('request_stop')}"
+
+
 def ensure_functions(connection: redis.Redis) -> bool:
-    """Load the library unless this Redis has it; False when it cannot (Redis < 7, or the ACL)."""
-    try:
-        if connection.function_list(library=LIBRARY):
-            return True
-        connection.function_load(library_source(), replace=True)
-    except redis.ResponseError as exc:
-        log.debug("cannot load ortq's Redis functions (%s); producers fall back to EVAL", exc)
-        return False
-    log.info("loaded ortq's Redis function library %s", LIBRARY)
+    """Load the libraries unless this Redis has them; False when it cannot (Redis < 7, or the ACL)."""
+    for library, source in ((LIBRARY, library_source), (JOBS_LIBRARY, jobs_library_source)):
+        try:
+            if connection.function_list(library=library):
+                continue
+            connection.function_load(source(), replace=True)
+        except redis.ResponseError as exc:
+            log.debug("cannot load ortq's Redis functions (%s); producers fall back to EVAL", exc)
+            return False
+        log.info("loaded ortq's Redis function library %s", library)
     return True

@@ -7,6 +7,7 @@ the blocking I/O.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Unpack, cast
@@ -14,7 +15,7 @@ from typing import Any, Unpack, cast
 import numpy as np
 import redis
 
-from ortq import keys, wire
+from ortq import keys, tracing, wire
 from ortq.control import MAX_WORKERS
 from ortq.errors import BrokerUnavailable, OrtqError, ResultTimeout
 from ortq.producer import checks, enqueue, faults
@@ -51,10 +52,12 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
         The arrays are read-only views onto the received frame (no copy); ``.copy()`` one to write to it.
         Raises InferenceFailed if the worker failed the job, ResultTimeout if nothing arrived in time.
         """
-        return enqueue.outputs_of(self.producer.wait_response(self.id, self.model, timeout, self.proof), self.id)
+        return enqueue.outputs_of(self.producer.wait_response(self.id, self.model, timeout, self.proof), self)
 
     def cancel(self) -> bool:
-        """Take the job off its queue if no worker has started it; returns whether it was removed."""
+        """Take the job off its queue if no worker has started it, else ask the worker running it to stop
+        it (within a heartbeat; it then fails with JobStopped, RQ's status ``stopped``); returns whether
+        either was done (False: the job ended, or is unknown)."""
         return self.producer.cancel(self.id, self.model)
 
 
@@ -120,31 +123,33 @@ class Producer:
 
     # ------------------------------------------------------------------ models
 
-    def signature(self, model: str) -> ModelSignature | None:
-        """The signature the model's workers published, or None if none has (yet)."""
-        cached = self._signatures.get(model, time.monotonic())
+    def signature(self, model: str, version: str | None = None) -> ModelSignature | None:
+        """The signature the model's workers published (of ``version``; None: the current one, that
+        of the worker that started last), or None if none has (yet)."""
+        keys.check_model_name(model)
+        key = keys.signature_key(model, None if version is None else keys.check_version_name(version))
+        cached = self._signatures.get(key, time.monotonic())
         if cached is not None:
             return cached
-        key = keys.signature_key(keys.check_model_name(model))
         try:
             raw = self.connection_for(model).get(key)
         except redis.RedisError as exc:
             doing = f"could not read the signature of {model!r}"
             raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
         signature = checks.parse_signature(cast(bytes | None, raw), model)
-        self._signatures.put(model, signature, time.monotonic())
+        self._signatures.put(key, signature, time.monotonic())
         return signature
 
-    def _checked_model(self, model: str) -> ModelSignature | None:
+    def _checked_model(self, model: str, version: str | None = None) -> ModelSignature | None:
         """The signature to check inputs against (None: none to check); UnknownModel when the model
         has none and unknown models are not allowed."""
         keys.check_model_name(model)
         if self.allow_unknown_models and not self.validate:
             return None
-        signature = self.signature(model)
+        signature = self.signature(model, version)
         if signature is None and not self.allow_unknown_models:
             shard = None if self._routes is None else self._routes.where(model)
-            raise checks.unknown_model(model, self._live_records(self.connection_for(model)), shard)
+            raise checks.unknown_model(model, self._live_records(self.connection_for(model)), shard, version)
         return signature if self.validate else None
 
     def _live_records(self, connection: redis.Redis) -> list[dict[str, Any]]:
@@ -191,6 +196,9 @@ class Producer:
         retries: int = 0,
         retry_backoff: float = 0,
         priority: str = "normal",
+        version: str | None = None,
+        job_id: str | None = None,
+        unique: bool = False,
     ) -> InferenceJob:
         """Validate and enqueue one job; returns at once with a handle to wait on.
 
@@ -210,8 +218,12 @@ class Producer:
             retries=retries,
             retry_backoff=retry_backoff,
             priority=priority,
+            version=version,
+            job_ids=None if job_id is None else [job_id],
+            unique=unique,
         )[0]
 
+    @tracing.sends  # one ortq.send span per call, when tracing is on (docs/tracing.md)
     def submit_many(
         self,
         model: str,
@@ -222,18 +234,22 @@ class Producer:
         retries: int = 0,
         retry_backoff: float = 0,
         priority: str = "normal",
+        version: str | None = None,
+        job_ids: Iterable[str] | None = None,
+        unique: bool = False,
     ) -> list[InferenceJob]:
         """Validate every job first (options, model, inputs, queue room), then enqueue them all in
         one MULTI/EXEC round trip; see :meth:`submit` for the options."""
         options = checks.job_options(
             self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
-            priority=priority,
+            priority=priority, version=version,
         )  # fmt: skip
-        signature = self._checked_model(model)
+        signature = self._checked_model(model, version)
         many = list(many_inputs)
         nonces = [enqueue.new_nonce() for _ in many]
         size = self.settings.max_frame_bytes
         frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
+        chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
         if not frames:
             return []
         connection = self.connection_for(model)
@@ -246,13 +262,45 @@ class Producer:
                 raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
             checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
         try:
+            if chosen is not None:
+                return self._enqueue_chosen(connection, model, frames, options, chosen, nonces, signature, unique)
             ids = self._enqueue(connection, model, frames, options)
         except redis.RedisError as exc:
             error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
             if isinstance(error, BrokerUnavailable):
                 error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
             raise error from exc
-        return [InferenceJob(self, job_id, model, nonce) for job_id, nonce in zip(ids, nonces, strict=True)]
+        digest = None if signature is None else signature.digest
+        return [InferenceJob(self, i, model, nonce, digest, version) for i, nonce in zip(ids, nonces, strict=True)]
+
+    def _enqueue_chosen(
+        self,
+        connection: Any,
+        model: str,
+        frames: list[bytes],
+        options: JobOptions,
+        ids: list[str],
+        nonces: list[bytes],
+        signature: ModelSignature | None,
+        unique: bool,
+    ) -> list[InferenceJob]:
+        """Enqueue each job under the id chosen for it unless a job of that id exists (never
+        overwritten): by FCALL, or EVAL where this Redis lacks the function; see ``submit``."""
+        results: list[Any] = [None] * len(ids)
+        todo = list(range(len(ids)))
+        for by_eval in (False, True):
+            with connection.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
+                replies = pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, replies, strict=True):
+                results[i] = reply
+            todo = enqueue.missing_function(todo, results)
+            if not todo:
+                break
+        digest = None if signature is None else signature.digest
+        make = functools.partial(InferenceJob, self)
+        return enqueue.chosen_handles(make, model, ids, nonces, results, unique, digest, options.version)
 
     def _enqueue(self, connection: redis.Redis, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
         """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
@@ -402,19 +450,20 @@ class Producer:
         no result in time.
         """
         responses = self.results_of(jobs, timeout)
-        return [enqueue.outputs_of(response, job.id) for job, response in zip(jobs, responses, strict=True)]
+        return [enqueue.outputs_of(response, job) for job, response in zip(jobs, responses, strict=True)]
 
     def results_of(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[wire.Response]:
         """The responses of many jobs, in order, each checked against its request (its proof)."""
         models, proofs = [job.model for job in jobs], [job.proof for job in jobs]
-        return self.wait_responses([job.id for job in jobs], models, timeout, proofs)
+        responses = self.wait_responses([job.id for job in jobs], models, timeout, proofs)
+        return [enqueue.check_served(response, job) for job, response in zip(jobs, responses, strict=True)]
 
     def cancel(self, job_id: str, model: str) -> bool:
-        """Remove a queued job (see InferenceJob.cancel)."""
+        """Remove a queued job, or stop a started one (see InferenceJob.cancel)."""
         connection = self.connection_for(model)
         try:
             if not connection.lrem(keys.queue_key(model), 0, job_id):
-                return False
+                return self._request_stop(connection, job_id, model)
             with connection.pipeline(transaction=True) as pipe:
                 enqueue.add_cancel(pipe, job_id, model)
                 pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
@@ -422,3 +471,16 @@ class Producer:
             wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
             raise faults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
         return True
+
+    def _request_stop(self, connection: Any, job_id: str, model: str) -> bool:
+        """Mark a started job for its worker to stop (ortq.worker.stops), by FCALL, or EVAL where
+        this Redis lacks the function."""
+        for by_eval in (False, True):
+            with connection.pipeline(transaction=False) as pipe:
+                enqueue.add_request_stop(pipe, job_id, model, by_eval)
+                [reply] = pipe.execute(raise_on_error=False)
+            if not (isinstance(reply, redis.ResponseError) and enqueue.is_missing_function(reply)):
+                break
+        if isinstance(reply, Exception):
+            raise reply
+        return bool(reply)

@@ -56,6 +56,7 @@ JOB_FIELDS = (
     "failure_callback_name",
     "stopped_callback_name",
     "origin",
+    "ortq_version",
 )
 _JOB_FIELD_KEYS = tuple(name.encode() for name in JOB_FIELDS)
 
@@ -181,8 +182,21 @@ class Book:
     """The scripts, bound to one connection, one worker and one queue; with ``executions``
     (Settings.rq_executions), RQ's execution records of each job are written too."""
 
-    def __init__(self, connection: redis.Redis, worker_name: str, queue_name: str, executions: bool = True) -> None:
+    def __init__(
+        self,
+        connection: redis.Redis,
+        worker_name: str,
+        queue_name: str,
+        executions: bool = True,
+        version: str = "",
+        parked_ttl: int = 24 * 3600,
+    ) -> None:
+        """``version``: the model version the worker serves, whose parked jobs its starts take
+        first, and that jobs pinned to another are parked for ('': none, every job starts);
+        ``parked_ttl``: seconds a parked list lives after its last job came (a request's ttl)."""
         self.connection = connection
+        self.version = version
+        self.parked_ttl = parked_ttl
         self.worker_name = worker_name
         self.queue = QueueKeys.of(queue_name)
         self.tag = execution_tag(worker_name)
@@ -212,7 +226,8 @@ class Book:
         randoms = os.urandom(width // 2 * count).hex()
         executions = "".join([self.tag + randoms[i : i + width] for i in range(0, width * count, width)])
         args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL]
-        reply, others = self._pipelined("start", [*args, more, inline, first_id, executions], after=beside)
+        args += [more, inline, first_id, executions, self.version, self.parked_ttl]
+        reply, others = self._pipelined("start", args, after=beside)
         return reply, moment, others
 
     def _pipelined(
@@ -321,10 +336,18 @@ class Book:
         return int(reply)
 
     def fail(
-        self, started: StartedJob, error: bytes, ttl: int, reason: str, retry: Retry | None, state: str = "idle"
+        self,
+        started: StartedJob,
+        error: bytes,
+        ttl: int,
+        reason: str,
+        retry: Retry | None,
+        state: str = "idle",
+        status: str = "failed",
     ) -> bool:
-        """Answer ``error`` to a failed job and write RQ's failure records, or (``retry``) put it
-        back for another attempt; False when another worker had taken it back meanwhile."""
+        """Answer ``error`` to a failed job and write RQ's failure records (the job's ``status``:
+        failed, or stopped), or (``retry``) put it back for another attempt; False when another
+        worker had taken it back meanwhile."""
         ended = utcnow()
         args = [
             self.queue.name,
@@ -343,6 +366,7 @@ class Book:
             "" if retry is None or retry.at is None else int(retry.at),
             "" if retry is None else retry.retries_left,
             "" if retry is None else retry.ttl,
+            status,
         ]
         return bool(self._call("fail", args))
 

@@ -38,7 +38,8 @@ _MAX_COMMAND_BYTES = 4096
 
 class Beat:
     """``beat(pipe)`` every ``interval`` s, ``upkeep()`` about once a second, ``on_shutdown()``
-    when RQ's shutdown command arrives; all on one daemon thread with its own connection."""
+    when RQ's shutdown command arrives and ``on_stop_job(id)`` when its stop-job command does; all on
+    one daemon thread with its own connection."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Beat:
         beat: Callable[[redis.Redis], None],
         upkeep: Callable[[redis.Redis], None],
         on_shutdown: Callable[[], None],
+        on_stop_job: Callable[[str], None] = lambda job_id: None,
     ) -> None:
         self._connect = connect
         self._channel = layout.pubsub_channel(worker_name)
@@ -55,6 +57,7 @@ class Beat:
         self._beat = beat
         self._upkeep = upkeep
         self._on_shutdown = on_shutdown
+        self._on_stop_job = on_stop_job
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ortq-beat", daemon=True)
         self._connection: redis.Redis | None = None
@@ -123,18 +126,23 @@ class Beat:
         return pubsub
 
     def _command(self, data: object) -> None:
-        """RQ's ``send_command`` payload: JSON with a ``command``. Only ``shutdown`` means anything
-        to an ortq worker; RQ's own handler would signal SIGINT to itself, which on Windows is
-        TerminateProcess, so here it is a warm stop request."""
+        """RQ's ``send_command`` payload: JSON with a ``command``. ``shutdown``: RQ's own handler would
+        signal SIGINT to itself, which on Windows is TerminateProcess, so here it is a warm stop
+        request. ``stop-job`` (with ``job_id``): that job is stopped (ortq.worker.stops), not the
+        process RQ's handler would kill. Nothing else means anything to an ortq worker."""
         try:
             if not isinstance(data, bytes) or len(data) > _MAX_COMMAND_BYTES:
                 raise ValueError("not a short byte string")
-            command = json.loads(data).get("command")
+            payload = json.loads(data)
+            command = payload.get("command")
         except (ValueError, AttributeError, RecursionError):
             log.warning("ignoring an unreadable command on %s", self._channel)
             return
+        if command == "stop-job" and isinstance(job_id := payload.get("job_id"), str) and len(job_id) <= 128:
+            self._on_stop_job(job_id)
+            return
         if command != "shutdown":
-            log.warning("ignoring command %.40r: an ortq worker only takes 'shutdown'", command)
+            log.warning("ignoring command %.40r: an ortq worker only takes 'shutdown' and 'stop-job'", command)
             return
         log.info("shutdown command received: stopping after the current batch")
         self._on_shutdown()

@@ -26,12 +26,15 @@ class RunDeadline:
         self._armed: tuple[Any, float] | None = None  # (the run's RunOptions, its monotonic deadline)
         self._sleeping_until: float | None = None  # the deadline the watcher waits for; None: none
         self._watcher: threading.Thread | None = None
+        #: Whether the last armed run's deadline passed (its ``terminate`` was set here, not by a stop).
+        self.fired = False
 
     def arm(self, options: Any, seconds: float) -> None:
         """Set ``options.terminate`` once ``seconds`` pass, unless ``disarm`` comes first."""
         deadline = time.monotonic() + seconds
         with self._changed:
             self._armed = (options, deadline)
+            self.fired = False
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="ortq-run-timeout", daemon=True)
                 self._watcher.start()
@@ -55,6 +58,7 @@ class RunDeadline:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     options.terminate = True  # under the lock: never after its run's disarm
+                    self.fired = True
                     self._armed = None
                     continue
                 self._sleeping_until = deadline

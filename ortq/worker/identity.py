@@ -17,4 +17,7 @@ class WorkerIdentity:
     fell_back_to_cpu: bool
     host: str
     pid: int
+    #: The version of the model it serves: ``--model-version``, else its file's digest
+    #: (ortq.worker.serve.file_version).
+    version: str
     extra: dict[str, Any] = field(default_factory=dict)

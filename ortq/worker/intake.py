@@ -27,9 +27,11 @@ import redis
 
 from ortq import keys, wire
 from ortq.errors import InvalidJob, OrtqError, PayloadTooLarge
+from ortq.producer import faults
+from ortq.producer.faults import is_refused
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Skipped, StartedJob
-from ortq.settings import Settings
+from ortq.settings import Settings, redis_message
 from ortq.worker.largeframes import read_large_frames
 
 log = logging.getLogger("ortq.worker")
@@ -106,6 +108,13 @@ class Intake:
             else:
                 raw = cast(bytes | None, self.connection.lmove(queue.queue, queue.intermediate))
         except redis.ResponseError as exc:
+            if not faults.is_wrong_type(exc):
+                # NOREPLICAS, READONLY, UNBLOCKED: a primary that may not take writes now (a
+                # failover: docs/ha.md), which the feeder rides out with a backoff as an outage;
+                # an ACL refusal, which the feeder turns into exit 2.
+                if is_refused(exc):
+                    raise
+                raise redis.ConnectionError(f"Redis refused the take: {redis_message(exc)}") from exc
             # WRONGTYPE: the queue or its intermediate list holds something else (written by
             # someone with write access): remove it, say so, and go on serving.
             log.error("taking a job failed (%s); checking the queue's keys", exc)
@@ -113,8 +122,21 @@ class Intake:
                 log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
             return []
         if raw is None:
-            return [] if block else None
+            if block:
+                self.backlog = self._parked()
+                return []
+            return None
         return self._filled(self._start(raw, self.max_batch - 1))
+
+    def _parked(self) -> bool:
+        """Whether jobs pinned to this worker's version were parked for it by workers of another
+        (start.lua): an idle worker asks once a slice, and its next take starts them."""
+        if not self.book.version:
+            return False
+        try:
+            return bool(self.connection.llen(keys.parked_key(self.model, self.book.version)))
+        except redis.ResponseError:  # no list: the next park replaces it
+            return False
 
     def _filled(self, taken: list[Taken]) -> list[Taken]:
         """``taken`` and the jobs that arrive within ``max_wait`` after it. Never raises: the jobs
@@ -162,6 +184,9 @@ class Intake:
 
     def _skip(self, skipped: Skipped) -> None:
         """Log a queue entry that was not started, and answer it where it can be answered."""
+        if skipped.reason == "parked":  # not skipped: left for a worker of the version it is pinned to
+            log.debug("job %.80r of %s parked for the version it is pinned to", skipped.entry, self.book.queue.name)
+            return
         what = _SKIPPED.get(skipped.reason, skipped.reason)
         if skipped.reason.startswith("status:"):
             what = f"a second queue entry of a job that is already {skipped.reason[7:]}"
@@ -211,6 +236,7 @@ _SKIPPED = {
     "answered": "its job was answered already (a job runs once: an id pushed again is a replay)",
     "gone": "its job record expired",
     "origin": "its job record names another queue (the job is its own model's workers' to run)",
+    "pin": "its job record pins a version by a name no ortq producer writes",
 }
 
 

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ortq import keys, knownheaders, wire
-from ortq.errors import InvalidInput, InvalidJob, OrtqError, RequestExpired, UnknownJobFunction, WireFormatError
+from ortq.errors import (
+    InvalidInput,
+    InvalidJob,
+    JobStopped,
+    OrtqError,
+    RequestExpired,
+    UnknownJobFunction,
+    WireFormatError,
+)
 from ortq.rqcompat.book import Finished, Retry, StartedJob
 from ortq.rqjob import MAX_SECONDS, JobRecord
 from ortq.serializer import MsgpackSerializer
@@ -42,6 +50,8 @@ class Pending:
     model: str
     frame: bytes | bytearray | None = None
     known: knownheaders.KnownHeader | None = None
+    #: What its answer says served it (the worker's model version and signature digest).
+    served: wire.Served | None = None
 
     def tensors(self) -> Tensors:
         """Its inputs, as arrays."""
@@ -75,6 +85,7 @@ class Failure:
     reason: str
     retry: Retry | None
     timings: dict[str, float]
+    status: str = "failed"  # RQ's status it ends with: "stopped" for a stopped job (JobStopped)
 
 
 def check(
@@ -85,6 +96,7 @@ def check(
     batching: bool,
     batch_wait: float,
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None = None,
+    served: wire.Served | None = None,
 ) -> Pending | Failure:
     """Stage 3: decode and check one job's request for ``model``; its Failure when it is bad.
     ``headers``: the verdicts of the batch's remembered headers so far (filled in here).
@@ -145,14 +157,14 @@ def check(
                 if headers is not None:
                     headers[known] = verdict
         if isinstance(verdict, Exception):
-            return failure(started, job, verdict, timings, proof, settings)
+            return failure(started, job, verdict, timings, proof, settings, served)
         rows, key = verdict
         timings["decode"] = time.perf_counter() - t0
     except Exception as exc:
-        return failure(started, job, exc, timings, proof, settings)
+        return failure(started, job, exc, timings, proof, settings, served)
     if found is None:
-        return Pending(job, started, inputs, timings, rows, proof, key, model)
-    return Pending(job, started, None, timings, rows, proof, key, model, frame, known)
+        return Pending(job, started, inputs, timings, rows, proof, key, model, served=served)
+    return Pending(job, started, None, timings, rows, proof, key, model, frame, known, served)
 
 
 def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -> HeaderVerdict:
@@ -165,14 +177,20 @@ def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -
 
 
 def check_all(
-    taken: list[Taken], model: str, signature: ModelSignature, settings: Settings, batching: bool, batch_wait: float
+    taken: list[Taken],
+    model: str,
+    signature: ModelSignature,
+    settings: Settings,
+    batching: bool,
+    batch_wait: float,
+    served: wire.Served | None = None,
 ) -> tuple[list[Pending], list[Failure]]:
     """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
     pending: list[Pending] = []
     failures: list[Failure] = []
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] = {}
     for item in taken:
-        checked = check(item, model, signature, settings, batching, batch_wait, headers)
+        checked = check(item, model, signature, settings, batching, batch_wait, headers, served)
         if isinstance(checked, Pending):
             pending.append(checked)
         else:
@@ -187,6 +205,7 @@ def failure(
     timings: dict[str, float],
     proof: bytes | None,
     settings: Settings,
+    served: wire.Served | None = None,
 ) -> Failure:
     """How one job fails: its error reply (with ``proof``, when its request was read) and RQ's
     failure records; or, when it has retries left and the failure is not the job's own fault (an
@@ -205,8 +224,10 @@ def failure(
     reason = f"{error_type}: {message}"
     if proof is None and type(exc) is WireFormatError:  # its message quotes the frame: anyone's bytes
         message = "the request frame does not decode as an ortq request (why: RQ's failure record, the worker's log)"
-    error = wire.encode_error(error_type, message, timings, proof)
-    return Failure(started, error_type, error, ttl_of(job.failure_ttl, settings.failure_ttl), reason, retry, timings)
+    error = wire.encode_error(error_type, message, timings, proof, served)
+    status = "stopped" if isinstance(exc, JobStopped) else "failed"
+    ttl = ttl_of(job.failure_ttl, settings.failure_ttl)
+    return Failure(started, error_type, error, ttl, reason, retry, timings, status)
 
 
 @dataclass(slots=True)
@@ -230,7 +251,12 @@ class Computed:
         try:
             return finished(self, settings.rq_results)
         except Exception as exc:
-            return failure(member.started, member.job, exc, {**member.timings, "run": self.run}, member.proof, settings)
+            return failure_of(member, exc, {**member.timings, "run": self.run}, settings)
+
+
+def failure_of(member: Pending, exc: BaseException, timings: dict[str, float], settings: Settings) -> Failure:
+    """``failure`` of a job that was checked: its answer carries its proof and what served it."""
+    return failure(member.started, member.job, exc, timings, member.proof, settings, member.served)
 
 
 def layout_of(outputs: dict[str, np.ndarray]) -> wire.Layout | None:
@@ -247,7 +273,7 @@ def finished(computed: Computed, rq_result: bool = True) -> Finished:
     member, outputs, layout = computed.member, computed.outputs, computed.layout
     timings = {**member.timings, "run": computed.run}
     t0 = time.perf_counter()
-    frame = wire.encode_laid_out(outputs, layout, timings, member.proof)
+    frame = wire.encode_laid_out(outputs, layout, timings, member.proof, member.served)
     timings["encode"] = time.perf_counter() - t0
     if not rq_result:
         return Finished(member.started, frame, computed.ttl, None, timings)

@@ -31,8 +31,16 @@ from typing import Any
 
 import redis
 
-from ortq import keys
-from ortq.errors import EXIT_CONFIGURATION, EXIT_CRASHED, EXIT_DEVICE_LOST, ConfigurationError, DeviceLost, JobTimeout
+from ortq import keys, tracing, wire
+from ortq.errors import (
+    EXIT_CONFIGURATION,
+    EXIT_CRASHED,
+    EXIT_DEVICE_LOST,
+    ConfigurationError,
+    DeviceLost,
+    JobStopped,
+    JobTimeout,
+)
 from ortq.metrics import WorkerMetrics
 from ortq.producer.priority import ensure_functions
 from ortq.rqcompat.book import Book, StartedJob
@@ -48,6 +56,7 @@ from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.signals import StopSignals
+from ortq.worker.stops import Stops
 from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS, Progress
 
@@ -84,11 +93,15 @@ class Worker:
         self.queue_name = keys.queue_name(identity.model)
         self.connection = settings.connect()
         self.presence = Presence(name, self.queue_name, identity, model.signature, settings)
+        #: What every answer says served it (wire.Served): producers check it (docs/wire-format.md).
+        self.served = wire.Served(identity.version, model.signature.digest)
         #: Every job the worker holds, and how each left (ortq.worker.ownership).
         self.ledger = self.presence.ledger
         self.upkeep = Upkeep(self._book(self.connection), settings)
         self.is_device_lost = DeviceLostMatcher(device_lost_pattern)
         self.progress = Progress(stall_seconds)
+        #: Jobs whose stop was requested, and the run in flight (ortq.worker.stops).
+        self.stops = Stops()
         self.job_timeout = job_timeout
         self.stop_requested = threading.Event()
         self._beat_upkeep: Upkeep | None = None
@@ -105,12 +118,20 @@ class Worker:
         )
         answering = self._book(settings.connect(check=False))
         self.replier = Replier(self.threads, settings, answering, self.presence, lambda: self.metrics)
+        self.tracing = tracing.for_worker(identity.model, name)  # decided once; None: no tracing at all
         self._fed_out = False  # the feeder's END has been seen
         self._unanswered: list[StartedJob] = []  # the batch in hand when the device was lost
 
     def _book(self, connection: redis.Redis) -> Book:
         """The scripts on ``connection``, for this worker and queue."""
-        return Book(connection, self.name, self.queue_name, executions=self.settings.rq_executions)
+        return Book(
+            connection,
+            self.name,
+            self.queue_name,
+            executions=self.settings.rq_executions,
+            version=self.identity.version,
+            parked_ttl=self.settings.request_ttl,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,6 +154,7 @@ class Worker:
             self._heartbeat,
             self._upkeep_beside,
             self.request_stop,
+            lambda job_id: self._stop_jobs([job_id]),  # RQ's stop-job command
         )
         beat.start()  # subscribed to RQ's command channel before anyone sees the worker
         self._heartbeat(self.connection)  # ortq's record out: producers and `ortq info` see it now
@@ -186,8 +208,16 @@ class Worker:
     def _heartbeat(self, connection: redis.Redis) -> None:
         if (lasted := self.progress.stalled_for()) is not None:
             self._end_stalled(connection, lasted)
-        self.presence.heartbeat(connection)
+        if stops := self.presence.heartbeat(connection):
+            self._stop_jobs(stops)
         self._ready(True)
+
+    def _stop_jobs(self, job_ids: list[str]) -> None:
+        """Stop these jobs (ortq.worker.stops), those of them this worker holds."""
+        held = [job.job_id for job in self.ledger.jobs()]
+        if new := set(job_ids) & set(held) - {i for i in held if self.stops.requested(i)}:
+            log.info("stop requested for job(s) %s: not run, or their run stopped", ", ".join(sorted(new)))
+        self.stops.request(job_ids, held)
 
     def _end_stalled(self, connection: redis.Redis, lasted: float) -> None:
         """The run in flight has lasted past ``stall_seconds``: taken as hung (ortq.worker.watchdog).
@@ -296,8 +326,16 @@ class Worker:
     def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
         """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""
         batching = self.max_batch > 1
+        if self.tracing is not None:  # docs/tracing.md
+            outcome.trace = self.tracing.batch(batch.taken)
         pending, outcome.failures = jobs.check_all(
-            batch.taken, self.identity.model, self.model.signature, self.settings, batching, batch.batch_wait
+            batch.taken,
+            self.identity.model,
+            self.model.signature,
+            self.settings,
+            batching,
+            batch.batch_wait,
+            self.served,
         )
         for members in group(pending, lambda p: p.key, self.max_batch, lambda p: p.rows):
             self._run_group(members, outcome)
@@ -305,35 +343,37 @@ class Worker:
     def _run_group(self, members: list[jobs.Pending], outcome: Outcome) -> None:
         """One group: one run, the outputs split per job and encoded. If the run fails, each job
         runs alone so that only the bad one fails."""
+        if self.stops.any:  # stops requested before the run: those jobs are not run
+            requested = [m for m in members if self.stops.requested(m.job.job_id)]
+            for member in requested:
+                outcome.failures.append(self._failure(member, JobStopped("stopped on request before it ran")))
+            members = [m for m in members if m not in requested]
+            if not members:
+                return
         t0 = time.perf_counter()
         # Each job's own timeout, else the worker's default; the group runs under the smallest.
         timeouts = [m.job.timeout if m.job.timeout is not None and m.job.timeout > 0 else self.job_timeout
                     for m in members]  # fmt: skip
         timeout = min((t for t in timeouts if t is not None), default=None)
+        options = self.model.run_options()
+        stopped = False
         try:
             self.progress.run_began()
+            self.stops.run_began([m.job.job_id for m in members], options)
             try:
-                outputs = self.model.run(jobs.group_inputs(members), timeout=timeout)
+                outputs = self.model.run(jobs.group_inputs(members), timeout=timeout, options=options)
             finally:
                 self.progress.run_ended()
+                stopped = self.stops.run_ended()
             per_job = split(outputs, [m.rows for m in members]) if len(members) > 1 else [outputs]
-        except JobTimeout as exc:
-            for member in members:  # running them again would only time out again
-                outcome.failures.append(self._failure(member, exc))
-            return
         except Exception as exc:
-            if self.is_device_lost(exc):
-                raise DeviceLost(f"the device is lost: {type(exc).__name__}: {exc}") from exc
-            if len(members) > 1:
-                log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)
-                for member in members:
-                    self._run_group([member], outcome)
-                return
-            outcome.failures.append(self._failure(members[0], exc))
+            self._run_failed(members, outcome, exc, stopped)
             return
         run = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.batch_ran(len(members))
+        if outcome.trace is not None:
+            outcome.trace.ran(t0, run, members)
         result_ttl, size = self.settings.result_ttl, len(members)
         # Outputs split from one run look alike for jobs of as many rows: one layout for them.
         layouts: dict[int, Layout | None] = {}
@@ -343,5 +383,25 @@ class Worker:
                 layouts[member.rows] = jobs.layout_of(outputs_of_job)
             outcome.computed.append(jobs.Computed(member, outputs_of_job, run, size, ttl, layouts[member.rows]))
 
+    def _run_failed(self, members: list[jobs.Pending], outcome: Outcome, exc: Exception, stopped: bool) -> None:
+        """A group's run raised ``exc``: stopped on request (``stopped``), past its timeout, the
+        device lost, or an error of one of its jobs (then each runs alone, so only that one fails)."""
+        if stopped:
+            error = JobStopped("stopped on request while it ran")
+            outcome.failures += [self._failure(member, error) for member in members]
+            return
+        if isinstance(exc, JobTimeout):
+            for member in members:  # running them again would only time out again
+                outcome.failures.append(self._failure(member, exc))
+            return
+        if self.is_device_lost(exc):
+            raise DeviceLost(f"the device is lost: {type(exc).__name__}: {exc}") from exc
+        if len(members) > 1:
+            log.warning("batched run of %d jobs failed (%s); running them one by one", len(members), exc)
+            for member in members:
+                self._run_group([member], outcome)
+            return
+        outcome.failures.append(self._failure(members[0], exc))
+
     def _failure(self, member: jobs.Pending, exc: BaseException) -> jobs.Failure:
-        return jobs.failure(member.started, member.job, exc, member.timings, member.proof, self.settings)
+        return jobs.failure_of(member, exc, member.timings, self.settings)

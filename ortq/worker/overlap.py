@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ortq import tracing
 from ortq.errors import ConfigurationError
 from ortq.metrics import WorkerMetrics
 from ortq.producer.faults import is_refused
@@ -52,6 +53,7 @@ class Outcome:
     held: list[StartedJob]
     computed: list[jobs.Computed] = field(default_factory=list)
     failures: list[jobs.Failure] = field(default_factory=list)
+    trace: tracing.BatchTrace | None = None  # its spans' makings, when the worker traces (docs/tracing.md)
 
 
 #: Ends a queue between the threads.
@@ -314,6 +316,8 @@ class Replier:
             ledger.leave(answered, Left.ANSWERED)
             done = {job.execution_id for job in answered}
             ledger.leave([job for job in outcome.held if job.execution_id not in done], Left.RELEASED)
+            if outcome.trace is not None:
+                outcome.trace.end()
 
     def _answer(self, outcome: Outcome, book: Book, answered: list[StartedJob]) -> None:
         """Answer ``outcome``'s jobs, adding each to ``answered`` once its script has run."""
@@ -325,6 +329,8 @@ class Replier:
                 finished.append(answer)
             else:
                 failures.append(answer)
+        if outcome.trace is not None:
+            outcome.trace.encoded(finished, failures)
         for failure in failures:
             self._fail(failure, book)
             answered.append(failure.started)
@@ -356,7 +362,9 @@ class Replier:
         started = failure.started
 
         def write() -> bool:
-            return book.fail(started, failure.error, failure.ttl, failure.reason, failure.retry, state="")
+            return book.fail(
+                started, failure.error, failure.ttl, failure.reason, failure.retry, state="", status=failure.status
+            )
 
         if not despite_outage("failing a job", write):
             log.warning("job %s failed here (%s) but was taken back meanwhile", started.job_id, failure.error_type)

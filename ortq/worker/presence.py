@@ -26,6 +26,9 @@ from ortq.worker.ownership import Ledger
 
 log = logging.getLogger("ortq.worker")
 
+#: The job hash field by which a job's stop is requested (written by ortq_request_stop_v1).
+STOP_FIELD = "ortq_stop"
+
 
 class Presence:
     """One worker's records, and the state and started jobs they show."""
@@ -40,7 +43,13 @@ class Presence:
         self.settings = settings
         self.records = WorkerRecords(name, queue_name, executions=settings.rq_executions)
         self.state = "started"
-        record = {"model": identity.model, "protocol": keys.PROTOCOL, **signature.to_json()}
+        record = {
+            "model": identity.model,
+            "protocol": keys.PROTOCOL,
+            "version": identity.version,
+            "digest": signature.digest,
+            **signature.to_json(),
+        }
         self._signature_json = json.dumps(record)
         #: The jobs the worker holds (started, not yet answered, handed on or released).
         self.ledger = Ledger()
@@ -86,34 +95,60 @@ class Presence:
             "queue": self.queue_name,
             "state": self.state,
             "held_job": held.job_id if held is not None else None,
+            "version": ident.version,
             "signature": self.signature.to_json(),
+            "signature_digest": self.signature.digest,
             **ident.extra,
         }
 
-    def heartbeat(self, connection: redis.Redis) -> None:
+    def heartbeat(self, connection: redis.Redis) -> list[str]:
         """RQ's heartbeat of the worker and of the jobs it holds, and ortq's records; one round
-        trip. A record of the wrong type (written by someone else) is written again."""
+        trip. A record of the wrong type (written by someone else) is written again. Returns the
+        ids of the held jobs whose stop was requested (``ortq_stop`` in their hash: ortq.worker.stops)."""
         running = self.ledger.jobs()
         with connection.pipeline(transaction=False) as pipe:
+            asked = len(pipe)
+            for job in running:
+                pipe.hget(keys.job_key(job.job_id), STOP_FIELD)
             positions = self.records.queue_heartbeat(pipe, running)
             pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)
             registered = len(pipe)
             pipe.sadd(keys.WORKERS_SET, self.name)
-            pipe.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
+            self._queue_signatures(pipe, current=False)
+            pipe.type(keys.signature_key(self.identity.model))
             results = pipe.execute(raise_on_error=False)
         self.records.after_heartbeat(connection, results, positions, running)
+        replies = results[asked : asked + len(running)]
+        stops = [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
+        if results[-1] not in (b"string", "string"):  # another type there: the NX write cannot replace it
+            log.error("%s held no string; replacing it", keys.signature_key(self.identity.model))
+            connection.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
         if isinstance(results[registered], redis.ResponseError):
             log.error("%s was no set (%s); replacing it", keys.WORKERS_SET, results[registered])
             with connection.pipeline() as pipe:
                 pipe.delete(keys.WORKERS_SET)
                 pipe.sadd(keys.WORKERS_SET, self.name)
                 pipe.execute()
+        return stops
 
     # ------------------------------------------------------------------ both ends
 
+    def _queue_signatures(self, pipe: redis.client.Pipeline, current: bool) -> None:
+        """The signature records: this version's, and the model's current one. That one is the
+        version of the worker that started last (``current``: this one is starting); a heartbeat
+        only writes it where it is gone (NX) and keeps it alive, whichever version wrote it."""
+        model, ttl = self.identity.model, self.settings.request_ttl
+        pipe.set(keys.signature_key(model, self.identity.version), self._signature_json, ex=ttl)
+        pipe.set(keys.signature_key(model), self._signature_json, ex=ttl, nx=not current)
+        pipe.expire(keys.signature_key(model), ttl)
+
     def register(self, connection: redis.Redis) -> None:
-        """RQ's birth of the worker (ortq's records follow with the first heartbeat)."""
+        """RQ's birth of the worker, and the model's current signature made this worker's (ortq's
+        other records follow with the first heartbeat)."""
         self.records.register_birth(connection)
+        with connection.pipeline(transaction=False) as pipe:
+            self._queue_signatures(pipe, current=True)
+            pipe.execute()
 
     def unregister(self, connection: redis.Redis) -> None:
         """RQ's death of the worker, and ortq's records gone; left to expire if Redis refuses."""

@@ -3,6 +3,7 @@ compare with the CPU, then serve the queue."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -85,9 +86,14 @@ class WorkerConfig:
     stall_seconds: float = DEFAULT_STALL_SECONDS
     #: Seconds a run may take for a job that sets no ``timeout`` of its own (RQ's job timeout); None: no limit.
     job_timeout: float | None = None
+    #: The version of the model it serves, which every answer names and producers may pin; None:
+    #: the model file's digest (file_version).
+    model_version: str | None = None
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
+        if self.model_version is not None:
+            keys.check_version_name(self.model_version)
         if self.device_lost_pattern is not None:
             try:
                 re.compile(self.device_lost_pattern)
@@ -243,6 +249,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         fell_back_to_cpu=model.fell_back_to_cpu,
         host=socket.gethostname(),
         pid=os.getpid(),
+        version=config.model_version or file_version(config.model_path),
         extra={
             "requested_provider": config.provider,
             "adapter": adapter,
@@ -271,6 +278,16 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         stall_seconds=config.stall_seconds,
         job_timeout=config.job_timeout,
     )
+
+
+def file_version(model_path: Path) -> str:
+    """A model's default version: the first 12 hex digits of its file's SHA-256, so that workers
+    started on the same file share a version and a changed file makes a new one."""
+    digest = hashlib.sha256()
+    with model_path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:12]
 
 
 def model_redis(settings: Settings, model: str) -> Settings:

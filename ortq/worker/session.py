@@ -149,17 +149,20 @@ class LoadedModel:
     def run_options(self) -> Any:
         return importlib.import_module("onnxruntime").RunOptions()
 
-    def run(self, inputs: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
-        """``session.run``; with ``timeout``, stopped by ONNX Runtime itself once that many seconds
-        pass (``RunOptions.terminate``, set by the worker's one watcher thread: ortq.worker.deadline)."""
+    def run(
+        self, inputs: dict[str, np.ndarray], timeout: float | None = None, options: Any = None
+    ) -> dict[str, np.ndarray]:
+        """``session.run`` with ``options`` (``run_options()``: None, a new one where a timeout needs
+        it); with ``timeout``, stopped by ONNX Runtime itself once that many seconds pass
+        (``RunOptions.terminate``, set by the worker's one watcher thread: ortq.worker.deadline)."""
         if timeout is None:
-            return self._run(inputs, None)
-        options = self.run_options()
+            return self._run(inputs, options)
+        options = options if options is not None else self.run_options()
         self.deadline.arm(options, timeout)
         try:
             return self._run(inputs, options)
         except Exception as exc:
-            if options.terminate:
+            if options.terminate and self.deadline.fired:
                 raise JobTimeout(
                     f"the run was stopped after its timeout of {timeout:g} s "
                     "(the job's own, else the worker's --job-timeout)"

@@ -94,10 +94,13 @@ end
 -- treat as no record of ours; only the ACL refusing the command is raised (the worker's
 -- configuration, not the record: the worker must say so rather than take it for a forged key).
 -- Redis 7.0 words that refusal "can't run this command", later versions start it with NOPERM and
--- name the command; for 7.0 the refused `command` is named here (ortq.rqcompat.acl.refused_command).
+-- name the command, Valkey 8 with "ACL failure in script" and names it; for 7.0 the refused
+-- `command` is named here (ortq.rqcompat.acl.refused_command).
 local function unless_acl(reply, command)
   if type(reply) == 'table' and reply.err then
-    if string.find(reply.err, 'NOPERM', 1, true) then error(reply) end
+    if string.find(reply.err, 'NOPERM', 1, true) or string.find(reply.err, 'ACL failure', 1, true) then
+      error(reply)
+    end
     if string.find(reply.err, "can't run this command", 1, true) then
       error({err = reply.err .. ' (' .. command .. ')'})
     end

@@ -7,7 +7,9 @@
 --       9 execution id, 10 error frame, 11 failure ttl (s), 12 exc_string (base64 zlib, as RQ's result
 --       stream holds it), 13 now (epoch s), 14 now (ISO), 15 started (epoch s), 16 working seconds,
 --       17 retry: '' (none), 'now' or 'at', 18 retry time (epoch s), 19 retries left afterwards,
---       20 seconds a retried job's hash lives while it waits again.
+--       20 seconds a retried job's hash lives while it waits again, 21 the status it ends with
+--       ('failed', or 'stopped' for a job stopped on request, which RQ also keeps in its failed
+--       registry).
 -- Returns 1 when failed (or retried) here, 0 when another worker had taken the job back.
 local queue, worker, id, execution = ARGV[5], ARGV[6], ARGV[8], ARGV[9]
 if not owns(queue, id, execution) then return 0 end
@@ -18,7 +20,7 @@ if retry == '' then
   answer(queue, id, ARGV[10], ttl)
   redis.call('DEL', request_key(queue, id))
   if is_hash then
-    redis.call('HSET', job, 'status', 'failed', 'ended_at', ARGV[14])
+    redis.call('HSET', job, 'status', ARGV[21] == 'stopped' and 'stopped' or 'failed', 'ended_at', ARGV[14])
     redis.call('EXPIRE', job, ttl)
   end
   local failed = PREFIX .. ':failed:' .. queue

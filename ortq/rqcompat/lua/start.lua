@@ -6,7 +6,8 @@
 -- worker whose last start left a backlog takes the next batch in one round trip.
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
 --       without a timeout (s), 10 how many more, 11 largest frame returned inline (bytes), 12 first
---       id, 13 the fresh execution ids of every job this call may start, 32 hex digits each, joined.
+--       id, 13 the fresh execution ids of every job this call may start, 32 hex digits each, joined,
+--       14 the version of the model the worker serves ('': none), 15 seconds a parked list lives.
 -- Returns {started, skipped, left}: started = {id, execution, {field values} (or {enqueued_at} when
 -- every other value is the previous started job's: a producer's jobs differ in that one), oversized field or '',
 -- heartbeat ttl, request frame size (-1: no request key, -2: not a string), the frame itself when
@@ -17,7 +18,9 @@
 -- ('answered': a job is answered once, and an id pushed again, whatever its record now says, is a
 -- replay); a job whose record is gone or no hash; one whose status says it runs, ran or waits
 -- elsewhere; one whose `origin` is another queue (pushed onto this model's queue by someone else:
--- it is its own model's workers' to run).
+-- it is its own model's workers' to run); a job pinned to another version of the model than ARGV[14]
+-- ('parked': its id goes to ortq:parked:<model>@<its version>, which workers of that version take
+-- from, before the queue, at every start).
 -- Work per call is linear in the jobs it takes; the intermediate list is searched from its tail,
 -- where BLMOVE put the first id.
 local queue_name, worker = ARGV[5], ARGV[6]
@@ -31,8 +34,12 @@ local index = wkey .. ':executions'
 -- millions of fields), and each field's size checked first (one may be hundreds of MB).
 local FIELDS = {'status', 'data', 'enqueued_at', 'timeout', 'ttl', 'result_ttl', 'failure_ttl', 'retries_left',
                 'retry_intervals', 'success_callback_name', 'failure_callback_name', 'stopped_callback_name',
-                'origin'}
-local ORIGIN = #FIELDS
+                'origin', 'ortq_version'}
+local ORIGIN, PIN = 13, 14
+local version, parked_ttl = ARGV[14], tonumber(ARGV[15])
+local parked_prefix = ORTQ .. 'parked:' .. model_of(queue_name) .. '@'
+local mine = nil
+if version ~= '' then mine = parked_prefix .. version end
 local MAX_FIELD = 65536
 -- RQ's statuses of a job that is running, has ended, or waits somewhere other than the queue.
 local ELSEWHERE = {started = true, finished = true, failed = true, stopped = true, canceled = true,
@@ -46,6 +53,18 @@ local longest, last_ttl, wip_entries, index_members = 0, 0, {}, {}
 
 local function skip(id, why)
   table.insert(skipped, {string.sub(id, 1, 200), why})
+end
+
+-- Leave a job pinned to another version for that version's workers (a key of another type there is
+-- no one's: it is replaced).
+local function park(id, pin)
+  if #pin > 64 or not string.match(pin, '^[%w][%w_%.%-]*$') then return skip(id, 'pin') end
+  local key = parked_prefix .. pin
+  local t = kind(key)
+  if t ~= 'list' and t ~= 'none' then redis.call('DEL', key) end
+  redis.call('RPUSH', key, id)
+  redis.call('EXPIRE', key, parked_ttl)
+  return skip(id, 'parked')
 end
 
 local first = ARGV[12]
@@ -93,6 +112,8 @@ local function start(id, execution)
   -- (queued, none, or no status of RQ's at all) starts, and the job is answered.
   if status and ELSEWHERE[status] then return skip(id, 'status:' .. status) end
   if origin ~= queue_name then return skip(id, 'origin') end
+  local pin = values[PIN]
+  if pin and mine and pin ~= version then return park(id, pin) end
   -- RQ's SimpleWorker.get_heartbeat_ttl: the job's timeout + 60 s, else its default
   local timeout = number(values[4], 0)
   local ttl = default_ttl
@@ -143,11 +164,20 @@ if first ~= '' then
   popped = 1
 end
 local more, left = tonumber(ARGV[10]), 0
+-- Jobs parked for this worker's version waited longest: they go first.
+if mine and kind(mine) == 'list' then
+  if more > 0 then
+    local parked = redis.call('LPOP', mine, more) or {}
+    for i, id in ipairs(parked) do start(id, execution_id(popped + i - 1)) end
+    popped, more = popped + #parked, more - #parked
+  end
+  left = redis.call('LLEN', mine)
+end
 if kind(queue) == 'list' then
   if more > 0 then
     for i, id in ipairs(redis.call('LPOP', queue, more) or {}) do start(id, execution_id(popped + i - 1)) end
   end
-  left = redis.call('LLEN', queue)
+  left = left + redis.call('LLEN', queue)
 end
 if #wip_entries > 0 then
   each_chunk(redis.call, {'ZADD', wip}, wip_entries)

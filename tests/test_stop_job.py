@@ -1,0 +1,137 @@
+"""Stopping a running job (ortq/worker/stops.py): ``job.cancel()`` of a started job, or RQ's
+stop-job command, ends its run (RunOptions.terminate) within a heartbeat; the job fails with
+JobStopped, RQ's status ``stopped``, and the worker goes on serving. Real Redis, real workers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import redis
+from rq.command import send_stop_job_command
+
+from ortq import keys
+from ortq.errors import InferenceFailed
+from ortq.producer import AsyncProducer, Producer
+from ortq.rqcompat import layout
+from ortq.serializer import MsgpackSerializer
+from ortq.settings import Settings
+from tests import onnx_models
+from tests.conftest import WorkerProcesses, eventually
+
+pytestmark = pytest.mark.timeout(180)
+
+RUN_SECONDS = 12.0  # far longer than a stop takes: a stop that is not honoured fails the test's timeout
+
+
+@pytest.fixture(scope="module")
+def slow_path(models_dir: Path) -> Path:
+    return onnx_models.timed_slow_model(models_dir / "slow-stop.onnx", RUN_SECONDS)
+
+
+def _wait_started(producer: Producer, job_id: str, model: str) -> None:
+    eventually(lambda: producer.job(job_id, model).status() == "started", 30)
+
+
+@pytest.mark.parametrize("how", ["cancel", "rq-stop-job-command"])
+def test_a_running_job_is_stopped_and_the_worker_serves_on(
+    how: str,
+    slow_path: Path,
+    tiny_path: Path,
+    model_name: str,
+    redis_url: str,
+    connection: redis.Redis,
+    workers: WorkerProcesses,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
+    workers.serve(slow_path, model_name, redis_url)
+    x = np.ones((1, 256), np.float32)
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        job = producer.submit(model_name, {"x": x})
+        behind = producer.submit(model_name, {"x": x * 0})
+        _wait_started(producer, job.id, model_name)
+        began = time.monotonic()
+        if how == "cancel":
+            assert job.cancel() is True
+        else:  # an operator's, with RQ's own function
+            send_stop_job_command(connection, job.id, serializer=MsgpackSerializer)
+        with pytest.raises(InferenceFailed, match="JobStopped") as stopped:
+            job.result(timeout=RUN_SECONDS)
+        assert time.monotonic() - began < RUN_SECONDS / 2, "the run was not stopped: it ran to its end"
+        assert "while it ran" in str(stopped.value)
+        assert job.status() == "stopped"
+        queue = layout.QueueKeys.of(keys.queue_name(model_name))
+        assert connection.zscore(queue.failed, job.id) is not None  # where RQ keeps stopped jobs
+        assert job.cancel() is False  # it ended: nothing to take off or stop
+        # The job behind it runs to its end, as a direct session.run computes it.
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        expected = ort.InferenceSession(str(slow_path), options, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x * 0}
+        )[0]
+        np.testing.assert_array_equal(behind.result(timeout=RUN_SECONDS * 4)["y"], expected)
+        assert behind.status() == "finished"
+
+
+def test_a_stop_only_marks_a_started_job_of_its_own_model(
+    tiny_path: Path, model_name: str, redis_url: str, connection: redis.Redis, workers: WorkerProcesses
+) -> None:
+    """The stop request writes nothing to a queued job (cancel takes that one off the queue), to one
+    that ended, or to another model's job of that id."""
+    with Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True) as producer:
+        queued = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
+        assert producer._request_stop(connection, queued.id, model_name) is False
+        assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
+        connection.hset(keys.job_key(queued.id), "status", "started")  # as a worker's start writes it
+        assert producer._request_stop(connection, queued.id, f"{model_name}-other") is False
+        assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
+        assert producer._request_stop(connection, queued.id, model_name) is True
+        assert connection.hget(keys.job_key(queued.id), "ortq_stop") is not None
+        assert producer._request_stop(connection, "no-such-job", model_name) is False
+        assert not connection.exists(keys.job_key("no-such-job"))
+
+
+def test_the_async_producer_stops_a_running_job(
+    slow_path: Path, model_name: str, redis_url: str, workers: WorkerProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
+    workers.serve(slow_path, model_name, redis_url)
+
+    async def main() -> None:
+        async with AsyncProducer(settings=Settings.from_url(redis_url)) as producer:
+            job = await producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
+            deadline = time.monotonic() + 30
+            while await job.status() != "started" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await job.cancel() is True
+            with pytest.raises(InferenceFailed, match="JobStopped"):
+                await job.result(timeout=RUN_SECONDS / 2)
+            assert await job.status() == "stopped"
+
+    asyncio.run(main())
+
+
+def test_stops_end_a_run_only_when_every_job_in_it_is_requested() -> None:
+    """ortq.worker.stops on real RunOptions: a run is stopped once all of its jobs are requested
+    (before it began or while it runs), never for a part of its jobs; ids not held are dropped."""
+    from ortq.worker.stops import Stops
+
+    stops = Stops()
+    stops.request(["a", "elsewhere"], held=["a", "b", "c"])
+    assert stops.requested("a") and not stops.requested("elsewhere") and stops.any
+    options = ort.RunOptions()
+    stops.run_began(["a", "b"], options)
+    assert not options.terminate  # b was not requested: the run goes on
+    stops.request(["b"], held=["a", "b", "c"])
+    assert options.terminate and stops.run_ended()
+    requested_before = ort.RunOptions()
+    stops.run_began(["b"], requested_before)
+    assert requested_before.terminate and stops.run_ended()
+    stops.request([], held=["c"])  # a and b left the worker: forgotten
+    assert not stops.any and not stops.run_ended()

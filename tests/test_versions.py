@@ -1,0 +1,218 @@
+"""Model versions (docs/operations.md, "Model versions and rollouts"): every answer names the version
+that computed it, a producer may pin one, and a rolling update from one version to the next under
+load loses no job and never hands a producer outputs of a model whose signature it did not check
+its inputs against."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import onnxruntime as ort
+import pytest
+import redis
+
+from ortq import keys, wire
+from ortq.errors import UnknownModel, VersionMismatch, WireFormatError
+from ortq.producer import Producer
+from ortq.producer.producer import InferenceJob
+from ortq.settings import Settings
+from ortq.worker.serve import file_version
+from tests import onnx_models
+from tests.conftest import Pool, WorkerProcesses, eventually
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _pool_config(path: Path, model: str, model_path: Path, version: str | None) -> Path:
+    """A pool of two batching workers of ``model_path`` (at ``version``; None: the file's digest)."""
+    line = "" if version is None else f'version = "{version}"'
+    path.write_text(
+        textwrap.dedent(f"""
+        [pool]
+        measure_memory = false
+        grace_seconds = 20
+        [[model]]
+        name = "{model}"
+        path = "{model_path}"
+        provider = "cpu"
+        threads = 1
+        max_batch = 8
+        max_wait_ms = 2
+        rows_independent = true
+        {line}
+        [[model.workers]]
+        count = 2
+        """)
+    )
+    return path
+
+
+def _versions_live(producer: Producer, model: str) -> list[str]:
+    return sorted(str(record.get("version")) for record in producer.workers(model))
+
+
+def test_a_rolling_update_under_load_loses_nothing_and_each_answer_is_its_versions(
+    tmp_path: Path, models_dir: Path, model_name: str, redis_url: str, connection: redis.Redis, pools: list[Pool]
+) -> None:
+    """A pool of v1 serves; a pool of v2 (the same signature, other weights) starts beside it; the
+    first is stopped (SIGTERM: it finishes what it holds), all while a producer keeps submitting.
+    Every job is answered once, by the version its reply names, with that version's outputs."""
+    v1_path = onnx_models.tiny_model(models_dir / "v1.onnx")
+    v2_path = onnx_models.retrained_tiny_model(models_dir / "v2.onnx", scale=3.0)
+    v2 = file_version(v2_path)  # the pool names no version for v2: its file's digest
+    reference = {"v1": _session(v1_path), v2: _session(v2_path)}
+    pools.append(old := Pool(_pool_config(tmp_path / "v1.toml", model_name, v1_path, "v1"), redis_url))
+    rng = np.random.default_rng(7)
+    submitted: list[tuple[InferenceJob, np.ndarray]] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        producer.wait_for_workers(model_name, 2, timeout=90)
+
+        def submit_continuously() -> None:
+            with Producer(settings=Settings.from_url(redis_url)) as own:
+                try:
+                    while not stop.is_set() and len(submitted) < 6000:
+                        xs = [rng.standard_normal((int(rng.integers(1, 4)), 4)).astype(np.float32) for _ in range(20)]
+                        handles = own.submit_many(model_name, [{"x": x} for x in xs])
+                        submitted.extend(zip(handles, xs, strict=True))
+                        time.sleep(0.01)
+                except BaseException as exc:  # reported by the test below
+                    failures.append(exc)
+
+        submitter = threading.Thread(target=submit_continuously)
+        submitter.start()
+        try:
+            eventually(lambda: len(submitted) >= 300, 60)
+            pools.append(new := Pool(_pool_config(tmp_path / "v2.toml", model_name, v2_path, None), redis_url))
+            eventually(lambda: _versions_live(producer, model_name).count(v2) == 2, 90)
+            at_switch = len(submitted)
+            old.process.send_signal(signal.SIGTERM)
+            assert old.wait(60) == 0, old.text()
+            eventually(lambda: len(submitted) >= at_switch + 600, 60)
+        finally:
+            stop.set()
+            submitter.join(30)
+        assert not failures, failures
+        responses = producer.results_of([handle for handle, _ in submitted], timeout=120)
+
+        answered_by: dict[str, int] = {}
+        for (handle, x), response in zip(submitted, responses, strict=True):
+            assert response.ok, (handle.id, response.error)
+            assert response.version in reference, response.version
+            expected = reference[response.version].run(None, {"x": x})[0]
+            np.testing.assert_array_equal(response.outputs["y"], expected)
+            answered_by[response.version] = answered_by.get(response.version, 0) + 1
+        assert set(answered_by) == {"v1", v2}, answered_by
+        # Answered once each: one entry in each reply stream, and nothing left queued, started or parked.
+        with connection.pipeline(transaction=False) as pipe:
+            for handle, _ in submitted:
+                pipe.xlen(keys.reply_key(model_name, handle.id))
+            assert set(pipe.execute()) == {1}
+        assert connection.llen(keys.queue_key(model_name)) == 0
+        # The current signature is the version that started last; each version keeps its own.
+        signature = producer.signature(model_name)
+        assert signature is not None and signature.version == v2
+        v1_signature = producer.signature(model_name, "v1")
+        assert v1_signature is not None and v1_signature.version == "v1"
+        assert v1_signature.digest == signature.digest  # a retrained model: the signature is the same
+    assert "v1" in old.text() and new.process.poll() is None
+
+
+def test_pinned_jobs_are_answered_by_their_version_alone(
+    models_dir: Path, model_name: str, redis_url: str, connection: redis.Redis, workers: WorkerProcesses
+) -> None:
+    """Jobs pinned to v1 or v2 and unpinned ones share the model's queue: a worker of the other version
+    parks a pinned job for its own, whose next take starts it (an idle one within its one-second slice)."""
+    v1_path = onnx_models.tiny_model(models_dir / "pin-v1.onnx")
+    v2_path = onnx_models.retrained_tiny_model(models_dir / "pin-v2.onnx", scale=5.0)
+    reference = {"v1": _session(v1_path), "v2": _session(v2_path)}
+    workers.serve(v1_path, model_name, redis_url, 1, "--model-version", "v1")
+    batching = ("--max-batch", "4", "--max-wait-ms", "1", "--rows-independent")
+    workers.start(v2_path, model_name, redis_url, "--model-version", "v2", *batching)
+    rng = np.random.default_rng(3)
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        eventually(lambda: _versions_live(producer, model_name) == ["v1", "v2"], 60)
+        jobs: list[tuple[InferenceJob, np.ndarray, str | None]] = []
+        for round_ in range(20):
+            for pin in ("v1", "v2", None):
+                x = rng.standard_normal((2, 4)).astype(np.float32)
+                jobs.append((producer.submit(model_name, {"x": x}, version=pin), x, pin))
+            if round_ % 5 == 0:
+                time.sleep(0.3)  # let the workers go idle now and then: parked jobs must still be taken
+        responses = producer.results_of([job for job, _, _ in jobs], timeout=60)
+        for (job, x, pin), response in zip(jobs, responses, strict=True):
+            assert response.version == (pin or response.version), (job.id, pin, response.version)
+            expected = reference[str(response.version)].run(None, {"x": x})[0]
+            np.testing.assert_array_equal(response.outputs["y"], expected)
+        pinned = [response.version for (_, _, pin), response in zip(jobs, responses, strict=True) if pin is not None]
+        assert pinned.count("v1") == pinned.count("v2") == 20
+        assert not connection.exists(keys.parked_key(model_name, "v1"), keys.parked_key(model_name, "v2"))
+
+        # A version no worker has served is refused as an unknown model is, naming what serves.
+        with pytest.raises(UnknownModel, match=r"version 'v3'.*serve v1, v2"):
+            producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, version="v3")
+        with pytest.raises(Exception, match="invalid model version"):
+            producer.submit(model_name, {"x": np.ones((1, 4), np.float32)}, version="no/such")
+
+
+def test_a_job_checked_against_another_signature_is_never_given_its_outputs(
+    models_dir: Path, model_name: str, redis_url: str, workers: WorkerProcesses
+) -> None:
+    """A rollout that changes the signature: a job checked against the old one and answered by the new
+    version raises VersionMismatch, and resubmitted, is checked against the new one and answered."""
+    old_path = onnx_models.tiny_model(models_dir / "sig-v1.onnx")
+    new_path = onnx_models.fixed_batch_model(models_dir / "sig-v2.onnx")  # x: [1, 4], not [batch, 4]
+    workers.serve(old_path, model_name, redis_url, 1, "--model-version", "old")
+    x = np.ones((1, 4), np.float32)
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        expected = _session(old_path).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(producer.infer(model_name, {"x": x})["y"], expected)
+        workers.stop_all()
+        workers.processes.clear()  # stopped as asked: not to be taken for a failed start below
+        job = producer.submit(model_name, {"x": x})  # checked against the cached signature of "old"
+        workers.serve(new_path, model_name, redis_url, 1, "--model-version", "new")  # the only worker now
+        with pytest.raises(VersionMismatch, match=r"checked against signature .* answered by version 'new'"):
+            job.result(timeout=30)
+        producer._signatures = type(producer._signatures)()  # what SIGNATURE_CACHE_SECONDS does, at once
+        again = producer.submit(model_name, {"x": x})
+        np.testing.assert_array_equal(again.result(timeout=30)["y"], _session(new_path).run(None, {"x": x})[0])
+        # Pinned to a version that is gone and answered by another: never accepted either.
+        assert again.signature is not None
+        pinned = InferenceJob(producer, again.id, model_name, again.nonce, again.signature, version="old")
+        with pytest.raises(VersionMismatch, match="pinned to version 'old'"):
+            pinned.result(timeout=5)
+
+
+def test_served_by_is_encoded_alike_by_both_encoders_and_checked_on_decode() -> None:
+    """The worker's fast encoder (a remembered layout) writes the bytes the general one writes, with
+    ``served_by`` last; a response whose ``served_by`` is malformed does not decode."""
+    outputs = {"y": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    served = wire.Served("v7", "0123456789abcdef")
+    proof = wire.proof_of("m", b"n" * 16)
+    fast = wire.encode_laid_out(outputs, wire.layout_of(outputs), {"run": 0.5}, proof, served)
+    general = wire.encode_laid_out(outputs, None, {"run": 0.5}, proof, served)
+    assert fast == general
+    response = wire.decode_response(fast)
+    assert (response.version, response.signature, response.proof) == ("v7", "0123456789abcdef", proof)
+    failed = wire.decode_response(wire.encode_error("InvalidInput", "no", proof=proof, served=served))
+    assert (failed.version, failed.signature) == ("v7", "0123456789abcdef")
+    body = {"v": wire.WIRE_VERSION, "kind": "response", "ok": False, "timings": {}}
+    body["error"] = {"type": "X", "message": "y"}
+    for bad in ({"version": "v"}, {"version": 1, "signature": "s"}, {"version": "v" * 65, "signature": "s"}, "v1"):
+        header = msgpack.packb({**body, "served_by": bad})
+        frame = wire.MAGIC + len(header).to_bytes(4, "little") + header
+        frame += bytes(-len(frame) % 8)  # the tensors' alignment (none here)
+        with pytest.raises(WireFormatError, match="served_by"):
+            wire.decode_response(frame)

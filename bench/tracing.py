@@ -84,6 +84,8 @@ def per_job() -> None:
     plain = wire.encode_request(X, {"nonce": nonce})
     traced = wire.encode_request(X, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "nonce": nonce})
     wire.decode_request_in_full(plain)  # learnt: the worker's fast path knows its header from now on
+    other_span = wire.encode_request(X, {"traceparent": "00-" + "3" * 32 + "-" + "4" * 16 + "-01", "nonce": nonce})
+    wire.decode_request_in_full(other_span)  # a traced header: learnt up to its traceparent
     limit = wire.DEFAULT_MAX_FRAME_BYTES
     number = 20_000
     cases = {
@@ -91,6 +93,9 @@ def per_job() -> None:
             plain, limit
         ),
         "worker decode, frame with a traceparent (full decode)": lambda: wire.decode_request_in_full(traced),
+        "worker decode, frame with a traceparent (knownheaders fast path)": lambda: knownheaders.known_frame(
+            traced, limit
+        ),
         "worker, reading a frame's trace context when tracing": lambda: tracing.producer_context(traced),
         "producer options, before tracing existed ({'nonce': n})": lambda: {"nonce": nonce},
         "producer options, tracing off (tracing.request_options)": lambda: tracing.request_options(nonce),
@@ -105,7 +110,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--drain", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--per-job-only", action="store_true", help="only the per-job lines (no worker, no Redis)")
     args = parser.parse_args()
+    if args.per_job_only:
+        per_job()
+        return
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as server:
         model = onnx_models.tiny_model(Path(tmp) / "tiny.onnx")
         for max_batch in (1, 8):

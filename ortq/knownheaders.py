@@ -6,6 +6,11 @@ remembered by its bytes up to those 16, with what it declares; a frame whose byt
 up there decodes the same (msgpack is read front to back, and a bin's payload is never looked
 into), so it is only checked for what is its own: its length. Keys are exact bytes: a forged
 header that differs anywhere else is not found and gets the full checks.
+
+A traced producer's requests (ortq.tracing) also carry a W3C ``traceparent`` just before the nonce:
+55 characters that differ from call to call. Such a header is remembered by its bytes up to that
+value, with the fixed bytes between it and the nonce checked too. The worker uses no option but the
+nonce (a tracing worker reads and checks the trace context itself).
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import numpy as np
 from ortq.wiretypes import PREFIX, WIRE_DTYPES, Request
 
 NONCE_TAIL = 16
+#: What lies between a traceparent's value and the nonce: the key ``nonce``, then bin 8 of 16 bytes.
+NONCE_ENTRY = b"\xa5nonce\xc4\x10"
+#: A traceparent (``00-<32 hex>-<16 hex>-<2 hex>``) as msgpack writes it: str 8 of 55 bytes.
+TRACEPARENT_CHARS = 55
+TRACED_TAIL = TRACEPARENT_CHARS + len(NONCE_ENTRY) + NONCE_TAIL
 MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
 #: A tensor of at least this many bytes a frame is joined by np.concatenate, which copies without
 #: the GIL, rather than by bytes.join, which holds it: joining a batch of 600 KB images held the
@@ -39,6 +49,7 @@ class KnownHeader:
     data_start: int
     data_end: int  # the data section's bytes its tensors need
     tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
+    traced: bool = False  # its options hold a traceparent before the nonce
 
     def inputs(self, frame: bytes | bytearray) -> dict[str, np.ndarray]:
         """The tensors of ``frame`` (one known_frame found with this header): zero-copy views."""
@@ -73,6 +84,14 @@ def known_frame(frame: object, max_bytes: int) -> tuple[KnownHeader, bytes] | No
         return None
     end = PREFIX.size + int.from_bytes(frame[4:8], "little")
     known = KNOWN.get(bytes(frame[: end - NONCE_TAIL]))
+    # A traced producer's header; its traceparent must be ASCII (what the full decode takes from any
+    # other UTF-8 is left to it: the same outcome either way).
+    if (
+        known is None
+        and frame[end - NONCE_TAIL - len(NONCE_ENTRY) : end - NONCE_TAIL] == NONCE_ENTRY
+        and frame[end - TRACED_TAIL : end - TRACED_TAIL + TRACEPARENT_CHARS].isascii()
+    ):
+        known = KNOWN.get(bytes(frame[: end - TRACED_TAIL]) + TRACED)
     if known is None or known.data_start + known.data_end > len(frame):
         return None
     return known, bytes(frame[end - NONCE_TAIL : end])
@@ -83,7 +102,11 @@ def known_request(frame: object, max_bytes: int) -> Request | None:
     if not isinstance(frame, bytes | bytearray) or (found := known_frame(frame, max_bytes)) is None:
         return None
     known, nonce = found
-    return Request(known.inputs(frame), {"nonce": nonce})
+    if not known.traced:
+        return Request(known.inputs(frame), {"nonce": nonce})
+    end = PREFIX.size + int.from_bytes(frame[4:8], "little")
+    traceparent = bytes(frame[end - TRACED_TAIL : end - TRACED_TAIL + TRACEPARENT_CHARS]).decode("ascii")
+    return Request(known.inputs(frame), {"traceparent": traceparent, "nonce": nonce})
 
 
 def learn(frame: object, header: dict[str, Any], data: memoryview) -> KnownHeader | None:
@@ -91,14 +114,16 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> KnownHeade
     nothing else varies: the options are only the nonce, and msgpack writes the header back to
     the same bytes (so the nonce's 16 bytes are the last, and no other encoding of a value hides
     behind the same key). Returns what it remembered, None when it may not."""
-    if (
-        not isinstance(frame, bytes | bytearray)
-        or list(header)[-1] != "options"
-        or header["options"].keys() != {"nonce"}
-    ):
+    if not isinstance(frame, bytes | bytearray) or list(header)[-1] != "options":
         return None
-    nonce = header["options"]["nonce"]
+    options = header["options"]
+    traced = list(options) == ["traceparent", "nonce"]
+    if not traced and options.keys() != {"nonce"}:
+        return None
+    nonce = options["nonce"]
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_TAIL:
+        return None
+    if traced and not (isinstance(options["traceparent"], str) and len(options["traceparent"]) == TRACEPARENT_CHARS):
         return None
     end = PREFIX.size + int.from_bytes(frame[4:8], "little")
     if end > MAX_HEADER or msgpack.packb(header, use_bin_type=True) != frame[PREFIX.size : end]:
@@ -111,5 +136,10 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> KnownHeade
     if len(KNOWN) >= 64:  # forged headers vary at will: the cache stays small
         KNOWN.clear()
     data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
-    known = KNOWN[bytes(frame[: end - NONCE_TAIL])] = KnownHeader(len(frame) - len(data), data_end, tensors)
+    key = bytes(frame[: end - TRACED_TAIL]) + TRACED if traced else bytes(frame[: end - NONCE_TAIL])
+    known = KNOWN[key] = KnownHeader(len(frame) - len(data), data_end, tensors, traced)
     return known
+
+
+#: Ends the key of a traced header, so that it cannot be taken for an untraced one's.
+TRACED = b"\x00traced"

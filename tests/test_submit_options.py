@@ -89,7 +89,8 @@ def test_bad_options_are_refused_and_nothing_is_enqueued(
             call("infer", model_name, X, timeout=timeout)
     assert not list(connection.scan_iter(match=f"*{model_name}*"))
     assert not connection.sismember(keys.RQ_QUEUES_SET, keys.queue_key(model_name))
-    assert set(connection.scan_iter(match="rq:job:*", count=1000)) == jobs_before
+    # No job hash is new (others of earlier tests may expire meanwhile: the set only shrinks).
+    assert set(connection.scan_iter(match="rq:job:*", count=1000)) <= jobs_before
     # The same options, well formed, do go in.
     call("submit", model_name, X, ttl=60, job_timeout=5, retries=2, retry_backoff=1, priority="high")
     assert connection.llen(keys.queue_key(model_name)) == 1
@@ -128,7 +129,8 @@ def test_a_model_no_worker_serves_is_unknown_and_leaves_nothing_behind(
         assert "allow_unknown_models=True" in message
     assert not list(connection.scan_iter(match=f"*{mistyped}*"))
     assert not connection.sismember(keys.RQ_QUEUES_SET, keys.queue_key(mistyped))
-    assert set(connection.scan_iter(match="rq:job:*", count=1000)) == jobs_before
+    # No job hash is new (others of earlier tests may expire meanwhile: the set only shrinks).
+    assert set(connection.scan_iter(match="rq:job:*", count=1000)) <= jobs_before
     shown = {model["model"] for model in collect(connection)["models"]}
     assert model_name in shown and mistyped not in shown  # no ghost model in `ortq info`
     # Fire and forget before any worker starts: allowed when asked for.

@@ -140,3 +140,17 @@ def test_a_producer_with_the_documented_per_model_rule_may_enqueue_uniquely_and_
             assert high.cancel() is True  # still queued: taken off
     finally:
         connection.acl_deluser(user)
+
+
+def test_a_function_librarys_code_changes_only_with_its_name() -> None:
+    """Workers load a library only where Redis lacks one of its name (priority.ensure_functions), so
+    workers of two releases share a Redis without replacing each other's code: changed code under an
+    old name would never reach a Redis that has the old one. Change the code: bump the name (and its
+    functions' names), then this table."""
+    import hashlib
+
+    from ortq.producer import priority
+
+    sources = {priority.LIBRARY: priority.library_source(), priority.JOBS_LIBRARY: priority.jobs_library_source()}
+    digests = {name: hashlib.sha256(source.encode()).hexdigest()[:16] for name, source in sources.items()}
+    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v1": "70b409860c2d7134"}

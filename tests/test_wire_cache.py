@@ -212,3 +212,34 @@ def test_frames_of_a_remembered_header_join_as_their_decoded_inputs_would(side: 
         expected = np.concatenate([d[name] for d in decoded])
         assert joined[name].dtype == expected.dtype and joined[name].shape == expected.shape
         np.testing.assert_array_equal(joined[name], expected)
+
+
+def test_a_traced_producers_requests_share_one_remembered_header() -> None:
+    """Requests whose options carry a traceparent before the nonce (ortq.tracing) are remembered up
+    to its value: frames of other spans decode through the same header, with what the full decode
+    gives; a traceparent that is no ASCII, or bytes between it and the nonce changed, go the full way."""
+
+    def traced(traceparent: str, nonce: bytes) -> bytes:
+        return wire.encode_request({"pixels": PIXELS}, {"traceparent": traceparent, "nonce": nonce})
+
+    span = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    knownheaders.KNOWN.clear()
+    wire.decode_request(traced(span, b"k" * 16))
+    assert len(knownheaders.KNOWN) == 1
+    other = traced("00-" + "12" * 16 + "-" + "34" * 8 + "-00", b"n" * 16)
+    warm = wire.decode_request(other)
+    assert warm.options == {"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-00", "nonce": b"n" * 16}
+    assert knownheaders.known_frame(other, 4096) is not None
+    assert outcome(other, cold=False) == outcome(other, cold=True)
+    end = 8 + int.from_bytes(other[4:8], "little")
+    start = end - knownheaders.TRACED_TAIL
+    for at, value in ((start, 0xC3), (start + 54, 0xFF), (end - 24, 0xA6), (end - 18, 0x11), (start - 1, 0x36)):
+        changed = bytearray(other)
+        changed[at] = value
+        assert outcome(bytes(changed), cold=False) == outcome(bytes(changed), cold=True), at
+        knownheaders.KNOWN.clear()
+        wire.decode_request(traced(span, b"k" * 16))
+    # Not taken for an untraced header, nor the other way round.
+    untraced = producer_frame(b"u" * 16)
+    assert knownheaders.known_frame(untraced, 4096) is None
+    assert outcome(untraced, cold=False) == outcome(untraced, cold=True)

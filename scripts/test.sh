@@ -8,12 +8,11 @@
 #      the RQ contract tests (tests/rqcontract), an end-to-end subset, raw Redis clients, the
 #      error messages redis-py's words go into, and the providers, adapters and worker starts.
 #   3. in .venv again, against Valkey instead of Redis (every server the tests start is
-#      valkey-server: ORTQ_TEST_SERVER, tests/conftest.py): the `rqcompat` tests, the RQ contract,
-#      end-to-end and raw-client ones among them, and tests/test_sentinel.py's failovers (under
-#      Valkey's own sentinels). tests/test_reliability.py and test_job_ownership.py pass on Valkey
-#      too but take ~6 minutes more on the 2-core CI VM: ORTQ_TEST_PASS=valkey bash scripts/test.sh
-#      tests/test_reliability.py ... runs what is given instead (with -m rqcompat still applied: add
-#      -m "" to lift it).
+#      valkey-server: ORTQ_TEST_SERVER, tests/conftest.py): the `rqcompat` tests of VALKEY_TESTS
+#      below (RQ's contract, the scripts under the ACL, raw clients, end to end, and
+#      tests/test_sentinel.py's failovers under Valkey's own sentinels), ~1.5 min. The whole
+#      rqcompat set, test_reliability.py and test_job_ownership.py pass on Valkey too, ~10 min more on
+#      the 2-core CI VM: ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest FILES runs them.
 #      valkey-server comes from Debian bookworm-backports (scripts/valkey.sh; .ci/run installs it);
 #      without it the pass is skipped, saying so, except under CI=true, where that is a failure.
 # Extra arguments go to pytest in every pass, e.g. `bash scripts/test.sh -k wire` (a pass that
@@ -63,6 +62,12 @@ if [ "$test_pass" = all ] || [ "$test_pass" = rq2 ]; then
     if [ "$rq2_status" -ne 0 ]; then status=$rq2_status; fi
 fi
 
+# Pass 3's files: where a server's own behaviour shows (RQ's contract, the scripts under the ACL,
+# raw clients, Sentinel failovers, a whole job's path); the whole rqcompat set on Valkey passed too
+# (353 tests, 4.3 min), kept out of CI for its time.
+VALKEY_TESTS=(tests/rqcontract tests/test_sentinel.py tests/test_transport_security.py tests/test_raw_redis.py
+              tests/test_end_to_end.py tests/test_priority.py
+              tests/test_worker_inprocess.py::test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so)
 if [ "$test_pass" = all ] || [ "$test_pass" = valkey ]; then
     if ! command -v valkey-server >/dev/null 2>&1; then
         if [ "${CI:-}" = "true" ]; then
@@ -73,10 +78,10 @@ if [ "$test_pass" = all ] || [ "$test_pass" = valkey ]; then
         fi
     else
         [ -x .venv/bin/python ] || ortq_venv "worker,dev" .venv
-        echo "== pass 3: tests marked rqcompat on $(valkey-server --version | cut -d' ' -f1-3), in .venv"
+        echo "== pass 3: tests marked rqcompat of ${VALKEY_TESTS[*]} on $(valkey-server --version | cut -d' ' -f1-3), in .venv"
         valkey_status=0
-        ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest -m rqcompat -o cache_dir=.pytest_cache/valkey "$@" \
-            || valkey_status=$?
+        ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest -m rqcompat -o cache_dir=.pytest_cache/valkey \
+            "${VALKEY_TESTS[@]}" "$@" || valkey_status=$?
         if [ "$valkey_status" -eq 5 ] && [ $# -gt 0 ]; then valkey_status=0; fi
         if [ "$valkey_status" -ne 0 ]; then status=$valkey_status; fi
     fi

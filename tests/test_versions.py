@@ -5,6 +5,7 @@ its inputs against."""
 
 from __future__ import annotations
 
+import re
 import signal
 import textwrap
 import threading
@@ -18,7 +19,9 @@ import pytest
 import redis
 
 from ortq import keys, wire
+from ortq.dashboard.app import create_app
 from ortq.errors import UnknownModel, VersionMismatch, WireFormatError
+from ortq.info import collect, format_info
 from ortq.producer import Producer
 from ortq.producer.producer import InferenceJob
 from ortq.settings import Settings
@@ -159,6 +162,13 @@ def test_pinned_jobs_are_answered_by_their_version_alone(
         pinned = [response.version for (_, _, pin), response in zip(jobs, responses, strict=True) if pin is not None]
         assert pinned.count("v1") == pinned.count("v2") == 20
         assert not connection.exists(keys.parked_key(model_name, "v1"), keys.parked_key(model_name, "v2"))
+        # ortq info and the dashboard's page show each worker's version, and the model's current one.
+        info = format_info(collect(connection))
+        assert re.search(rf"^{re.escape(model_name)}\s+v2\s", info, re.M), info  # v2 started last
+        assert len(re.findall(rf"^{re.escape(model_name)}\.\S+\s+{re.escape(model_name)}\s+v[12]\s", info, re.M)) == 2
+        page = create_app(Settings.from_url(redis_url)).test_client().get("/").text
+        assert '<td data-field="version">v1</td>' in page and '<td data-field="version">v2</td>' in page
+        assert '<code data-field="version">v2</code>' in page
 
         # A version no worker has served is refused as an unknown model is, naming what serves.
         with pytest.raises(UnknownModel, match=r"version 'v3'.*serve v1, v2"):

@@ -347,21 +347,14 @@ class AsyncProducer:
     ) -> list[AsyncInferenceJob]:
         """Enqueue each job under the id chosen for it unless a job of that id exists (never
         overwritten): by FCALL, or EVAL where this Redis lacks the function; see ``submit``."""
-        results: list[Any] = [None] * len(ids)
-        todo = list(range(len(ids)))
-        for by_eval in (False, True):
-            async with connection.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
-                replies = await pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, replies, strict=True):
-                results[i] = reply
-            todo = enqueue.missing_function(todo, results)
-            if not todo:
-                break
+        calls = enqueue.FunctionCalls(
+            len(ids),
+            lambda pipe, i, by_eval: enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval),
+        )
+        await self._call_functions(connection, calls)
         digest = None if signature is None else signature.digest
         make = functools.partial(AsyncInferenceJob, self)
-        return enqueue.chosen_handles(make, model, ids, nonces, results, unique, digest, options.version)
+        return enqueue.chosen_handles(make, model, ids, nonces, calls.results, unique, digest, options.version)
 
     async def _enqueue(
         self, connection: redis.asyncio.Redis, model: str, frames: list[bytes], options: JobOptions
@@ -488,14 +481,19 @@ class AsyncProducer:
         return True
 
     async def _request_stop(self, connection: Any, job_id: str, model: str) -> bool:
-        """Mark a started job for its worker to stop (ortq.worker.stops), by FCALL, or EVAL where
-        this Redis lacks the function."""
-        for by_eval in (False, True):
-            async with connection.pipeline(transaction=False) as pipe:
-                enqueue.add_request_stop(pipe, job_id, model, by_eval)
-                [reply] = await pipe.execute(raise_on_error=False)
-            if not (isinstance(reply, redis.ResponseError) and enqueue.is_missing_function(reply)):
-                break
+        """Mark a started job for its worker to stop (ortq.worker.stops)."""
+        calls = enqueue.FunctionCalls(
+            1, lambda pipe, i, by_eval: enqueue.add_request_stop(pipe, job_id, model, by_eval)
+        )
+        await self._call_functions(connection, calls)
+        [reply] = calls.results
         if isinstance(reply, Exception):
             raise reply
         return bool(reply)
+
+    async def _call_functions(self, connection: Any, calls: enqueue.FunctionCalls) -> None:
+        """Send ``calls`` (by FCALL, then by EVAL where this Redis lacks the function)."""
+        while calls.todo:
+            async with connection.pipeline(transaction=False) as pipe:
+                calls.queue(pipe)
+                calls.take(await pipe.execute(raise_on_error=False))

@@ -321,9 +321,29 @@ def chosen_handles(
     return jobs
 
 
-def missing_function(todo: list[int], results: list[Any]) -> list[int]:
-    """Those of ``todo`` whose call found no ortq function in this Redis: to be sent by EVAL."""
-    return [i for i in todo if isinstance(results[i], Exception) and is_missing_function(results[i])]
+class FunctionCalls:
+    """Calls of one of ortq's Redis functions, one per item, with no I/O of their own: a producer
+    sends ``queue``'s commands and gives ``take`` their replies while ``todo`` is not empty. They go
+    by FCALL first, and the items whose Redis lacks the function (no worker loaded it yet) again by
+    EVAL of the same code. ``add(pipe, item, by_eval)`` queues one item's call."""
+
+    def __init__(self, count: int, add: Callable[[Any, int, bool], None]) -> None:
+        self.results: list[Any] = [None] * count
+        self.todo = list(range(count))
+        self._add = add
+        self._by_eval = False
+
+    def queue(self, pipe: Any) -> None:
+        for i in self.todo:
+            self._add(pipe, i, self._by_eval)
+
+    def take(self, replies: list[Any]) -> None:
+        for i, reply in zip(self.todo, replies, strict=True):
+            self.results[i] = reply
+        results = self.results
+        missing = [i for i in self.todo if isinstance(results[i], Exception) and is_missing_function(results[i])]
+        self.todo = [] if self._by_eval else missing
+        self._by_eval = True
 
 
 def add_cancel(pipe: Any, job_id: str, model: str) -> None:

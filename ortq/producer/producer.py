@@ -286,21 +286,14 @@ class Producer:
     ) -> list[InferenceJob]:
         """Enqueue each job under the id chosen for it unless a job of that id exists (never
         overwritten): by FCALL, or EVAL where this Redis lacks the function; see ``submit``."""
-        results: list[Any] = [None] * len(ids)
-        todo = list(range(len(ids)))
-        for by_eval in (False, True):
-            with connection.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
-                replies = pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, replies, strict=True):
-                results[i] = reply
-            todo = enqueue.missing_function(todo, results)
-            if not todo:
-                break
+        calls = enqueue.FunctionCalls(
+            len(ids),
+            lambda pipe, i, by_eval: enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval),
+        )
+        self._call_functions(connection, calls)
         digest = None if signature is None else signature.digest
         make = functools.partial(InferenceJob, self)
-        return enqueue.chosen_handles(make, model, ids, nonces, results, unique, digest, options.version)
+        return enqueue.chosen_handles(make, model, ids, nonces, calls.results, unique, digest, options.version)
 
     def _enqueue(self, connection: redis.Redis, model: str, frames: list[bytes], options: JobOptions) -> list[str]:
         """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
@@ -473,14 +466,19 @@ class Producer:
         return True
 
     def _request_stop(self, connection: Any, job_id: str, model: str) -> bool:
-        """Mark a started job for its worker to stop (ortq.worker.stops), by FCALL, or EVAL where
-        this Redis lacks the function."""
-        for by_eval in (False, True):
-            with connection.pipeline(transaction=False) as pipe:
-                enqueue.add_request_stop(pipe, job_id, model, by_eval)
-                [reply] = pipe.execute(raise_on_error=False)
-            if not (isinstance(reply, redis.ResponseError) and enqueue.is_missing_function(reply)):
-                break
+        """Mark a started job for its worker to stop (ortq.worker.stops)."""
+        calls = enqueue.FunctionCalls(
+            1, lambda pipe, i, by_eval: enqueue.add_request_stop(pipe, job_id, model, by_eval)
+        )
+        self._call_functions(connection, calls)
+        [reply] = calls.results
         if isinstance(reply, Exception):
             raise reply
         return bool(reply)
+
+    def _call_functions(self, connection: Any, calls: enqueue.FunctionCalls) -> None:
+        """Send ``calls`` (by FCALL, then by EVAL where this Redis lacks the function)."""
+        while calls.todo:
+            with connection.pipeline(transaction=False) as pipe:
+                calls.queue(pipe)
+                calls.take(pipe.execute(raise_on_error=False))

@@ -28,7 +28,6 @@ import redis
 from ortq import keys, wire
 from ortq.errors import InvalidJob, OrtqError, PayloadTooLarge
 from ortq.producer import faults
-from ortq.producer.faults import is_refused
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Skipped, StartedJob
 from ortq.settings import Settings, redis_message
@@ -112,7 +111,7 @@ class Intake:
                 # NOREPLICAS, READONLY, UNBLOCKED: a primary that may not take writes now (a
                 # failover: docs/ha.md), which the feeder rides out with a backoff as an outage;
                 # an ACL refusal, which the feeder turns into exit 2.
-                if is_refused(exc):
+                if faults.is_refused(exc):
                     raise
                 raise redis.ConnectionError(f"Redis refused the take: {redis_message(exc)}") from exc
             # WRONGTYPE: the queue or its intermediate list holds something else (written by

@@ -208,7 +208,8 @@ class Worker:
     def _heartbeat(self, connection: redis.Redis) -> None:
         if (lasted := self.progress.stalled_for()) is not None:
             self._end_stalled(connection, lasted)
-        if stops := self.presence.heartbeat(connection):
+        stops = self.presence.heartbeat(connection)
+        if stops or self.stops.any:  # new requests, or old ones of jobs that may have left: forgotten
             self._stop_jobs(stops)
         self._ready(True)
 

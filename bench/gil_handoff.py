@@ -9,7 +9,7 @@ back only when that thread blocks (I/O, a lock) or once the switch interval
 and its feeder and replier threads are the others (ortq.worker.overlap): whenever they have Python
 work in hand as a run ends, the next run waits for it. This prints, side by side in one run, the
 time a digits run takes alone, and beside a thread that computes in Python without pause (the
-worst case) at several switch intervals. docs/performance.md ("Seventh pass") records the figures.
+worst case) at several switch intervals. docs/results/performance-history.md ("Seventh pass") records the figures.
 """
 
 from __future__ import annotations

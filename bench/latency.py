@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import onnxruntime as ort
@@ -77,6 +78,29 @@ def measure_direct(model: Path, inputs: Inputs, threads: int, requests: int, dra
     return Measured("direct", 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
 
 
+def raw_round_trips(
+    r: redis.Redis, queue: str, next_inputs: Callable[[], Inputs], requests: int, drain: int, timeout: int
+) -> tuple[list[float], float]:
+    """Through a bench.raw_worker serving ``queue``: ``requests`` sequential round trips (their
+    times) and a drain of ``drain`` frames pushed at once (jobs/s)."""
+
+    def one() -> None:
+        r.lpush(queue, wire.encode_request(next_inputs()))
+        _, frame = r.brpop([queue + ":reply"], timeout)  # type: ignore[misc]
+        wire.decode_response(cast(bytes, frame))
+
+    samples = time_each(one, requests)
+    started = time.perf_counter()
+    with r.pipeline(transaction=False) as pipe:
+        for _ in range(drain):
+            pipe.lpush(queue, wire.encode_request(next_inputs()))
+        pipe.execute()
+    for _ in range(drain):
+        _, frame = r.brpop([queue + ":reply"], timeout)  # type: ignore[misc]
+        wire.decode_response(cast(bytes, frame))
+    return samples, drain / (time.perf_counter() - started)
+
+
 def measure_raw(model: Path, inputs: Inputs, url: str, threads: int, requests: int, drain: int) -> Measured:
     queue = f"bench:raw:{model.stem}"
     command = [sys.executable, "-m", "bench.raw_worker", "--model", str(model), "--redis-url", url,
@@ -88,21 +112,7 @@ def measure_raw(model: Path, inputs: Inputs, url: str, threads: int, requests: i
         while not r.exists(queue + ":ready"):
             time.sleep(0.05)
 
-        def one() -> None:
-            r.lpush(queue, wire.encode_request(inputs))
-            _, frame = r.brpop([queue + ":reply"], 30)  # type: ignore[misc]
-            wire.decode_response(frame)
-
-        samples = time_each(one, requests)
-        started = time.perf_counter()
-        with r.pipeline(transaction=False) as pipe:
-            for _ in range(drain):
-                pipe.lpush(queue, wire.encode_request(inputs))
-            pipe.execute()
-        for _ in range(drain):
-            _, frame = r.brpop([queue + ":reply"], 30)  # type: ignore[misc]
-            wire.decode_response(frame)
-        rate = drain / (time.perf_counter() - started)
+        samples, rate = raw_round_trips(r, queue, lambda: inputs, requests, drain, 30)
     finally:
         r.lpush(queue, b"stop")
         worker.wait(10)

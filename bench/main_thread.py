@@ -10,7 +10,7 @@ stacks hold ``LoadedModel.run``), keeps its samples from its first run to its la
 before it the worker waited for the queue to be filled) and prints the share of each stage:
 ``Session.run`` (the run itself, and taking the GIL back once it ends: py-spy cannot tell them
 apart without native stacks), waiting for the feeder's next batch, handing a batch to the replier,
-the check, answering a batch itself, and the rest. docs/performance.md ("Ninth pass") has a run.
+the check, answering a batch itself, and the rest. docs/results/performance-history.md ("Ninth pass") has a run.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ STAGES = (
     ("Session.run (the run, and the GIL taken back)", "Session.run"),
     ("waiting for the feeder's next batch", "Queue.get"),
     ("handing a batch to the replier", "Threads.reply_later"),
-    ("check (decode, the model's signature)", "check_all"),
-    ("answering a batch itself (finish script)", "Replier.deliver"),
+    ("check (decode, the model's signature)", "check_batch"),
+    ("answering a batch itself (finish script)", "Replier.answer"),
     ("joining inputs, splitting outputs, layouts", "Worker._run_group"),
 )
 

@@ -2,7 +2,8 @@
 
 ``python -m bench.raw_worker --model M --redis-url U --queue K`` serves frames pushed to list
 ``K`` and pushes each response to ``K:reply``. No RQ, no side keys, no bookkeeping: what is
-left is Redis transport, the frame codec and ``session.run``.
+left is Redis transport, the frame codec and ``session.run``. ``--provider cuda`` runs the session
+on GPU 0; ``--custom-ops LIBRARY`` registers a custom-op library first (bench/images.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ def main() -> None:
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--queue", required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--custom-ops", default=None, help="a custom-op shared library to register")
     args = parser.parse_args()
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    session = ort.InferenceSession(args.model, sess_options=options, providers=["CPUExecutionProvider"])
+    if args.custom_ops:
+        options.register_custom_ops_library(args.custom_ops)
+    providers = [("CUDAExecutionProvider", {"device_id": "0"})] if args.provider == "cuda" else ["CPUExecutionProvider"]
+    session = ort.InferenceSession(args.model, sess_options=options, providers=providers)
     names = [o.name for o in session.get_outputs()]
     connection = redis.Redis.from_url(args.redis_url, socket_timeout=None)
     connection.set(args.queue + ":ready", 1)

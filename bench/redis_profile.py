@@ -3,15 +3,21 @@ filled beforehand, then Redis's ``INFO commandstats`` is divided by the job coun
 
     python -m bench.redis_profile [--jobs 6000] [--max-batch 32] [--rq-results on,off]
                                   [--rq-executions on,off] [--stream-node-max-bytes 4096,512]
+                                  [--split]
 
 ``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
 (their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
-interpreter, argument and reply conversion).
+interpreter, argument and reply conversion). ``--split`` also says which script the time went to
+(start, finish, ...): Redis's SLOWLOG records every call meanwhile, and ``evalsha``'s total is
+shared out in proportion to each script's logged time (logging every call slows Redis a little, so
+the totals of a ``--split`` run are a little higher than those of a run without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -19,6 +25,7 @@ import numpy as np
 from ortq.demo import MODEL_PATH
 from ortq.localredis import STREAM_NODE_MAX_BYTES, LocalRedis
 from ortq.producer import Producer
+from ortq.rqcompat.book import SCRIPTS, script_source
 from ortq.settings import Settings
 from ortq.worker.serve import WorkerConfig, build_worker
 
@@ -40,18 +47,19 @@ def main() -> None:
         default=str(STREAM_NODE_MAX_BYTES),
         help="Redis's setting, or several (4096,512) run one after the other (docs/operations.md)",
     )
+    parser.add_argument("--split", action="store_true", help="share the scripts' time out by script (SLOWLOG)")
     args = parser.parse_args()
     for node_bytes in args.stream_node_max_bytes.split(","):
         for results in args.rq_results.split(","):
             for executions in args.rq_executions.split(","):
                 records = {"rq_results": ON_OFF[results], "rq_executions": ON_OFF[executions]}
-                profile(args.jobs, args.max_batch, records, int(node_bytes))
+                profile(args.jobs, args.max_batch, records, int(node_bytes), args.split)
 
 
 ON_OFF = {"on": True, "off": False}
 
 
-def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int) -> None:
+def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int, split: bool = False) -> None:
     with LocalRedis(stream_node_max_bytes=node_bytes) as server:
         settings = Settings.from_url(server.url, **records)
         with Producer(settings=settings, allow_unknown_models=True) as producer:
@@ -60,11 +68,16 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
             producer.submit_many("digits", [inputs[i % 8] for i in range(jobs)])
         connection = settings.connect()
         connection.config_resetstat()
+        if split:
+            connection.config_set("slowlog-log-slower-than", 0)
+            connection.config_set("slowlog-max-len", 1_000_000)
+            connection.slowlog_reset()
         cpu_before = _cpu_seconds(connection)
         config = WorkerConfig(MODEL_PATH, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
         build_worker(config, settings).serve(handle_signals=False)
         stats = connection.info("commandstats")
         cpu = _cpu_seconds(connection) - cpu_before
+        shares = _script_shares(connection) if split else {}
     rows = sorted(((v["usec"] / jobs, v["calls"] / jobs, k[8:]) for k, v in stats.items()), reverse=True)
     scripts = sum(usec for usec, _, name in rows if name in ("evalsha", "eval", "fcall"))
     inside = sum(usec for usec, _, name in rows if name not in ("evalsha", "eval", "fcall", "blmove", "lmove"))
@@ -74,9 +87,24 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
     print(f"the scripts {scripts:.1f} us/job,")
     print(f"of which the commands they call {inside:.1f} and Lua itself {scripts - inside:.1f};")
     print(f"redis-server's CPU in all (INFO cpu: commands, network, the rest) {cpu / jobs * 1e6:.1f} us/job")
+    for name, share in sorted(shares.items(), key=lambda item: -item[1]):
+        print(f"  script {name:17} {scripts * share:7.2f} us/job")
     for usec, calls, name in rows:
         if usec >= 0.05:
             print(f"  {name:24} {usec:7.2f} us/job {calls:6.2f} calls/job")
+
+
+def _script_shares(connection: Any) -> dict[str, float]:
+    """Each ortq script's part of the scripts' time logged in SLOWLOG (by its sha)."""
+    names = {hashlib.sha1(script_source(name).encode()).hexdigest(): name for name in SCRIPTS}
+    logged: Counter[str] = Counter()
+    for entry in connection.slowlog_get(1_000_000):
+        words = entry["command"].split()
+        if len(words) > 1 and words[0].lower() in (b"evalsha", "evalsha"):
+            sha = words[1].decode() if isinstance(words[1], bytes) else words[1]
+            logged[names.get(sha, sha[:12])] += entry["duration"]
+    total = sum(logged.values()) or 1
+    return {name: usec / total for name, usec in logged.items()}
 
 
 def _cpu_seconds(connection: Any) -> float:

@@ -4,7 +4,7 @@
 
 Enqueues a batch of digits jobs (the bundled model) with ortq's Producer on a local Redis, takes
 them with the worker's own start script (ortq.worker.intake), then times each later stage on that
-batch, over and over, as the worker's threads run them: the main thread's check (jobs.check_all),
+batch, over and over, as the worker's threads run them: the main thread's check (jobs.check_batch),
 group, joining the inputs, run and split; the replier's encoding (jobs.Computed.answer), the
 finish script's arguments (not sent) and, with ``--metrics``, the Prometheus metrics. RQ's result
 and execution records are off, as in docs/performance.md's one-worker figures. The sum is less
@@ -61,8 +61,8 @@ def main() -> None:
         taken = Intake(connection, book, settings, args.batch, 0.002).take(block=True) or []
         n = len(taken)
         print(f"{n} jobs of {args.rows} row(s), taken by the start script; per stage:")
-        timed("check (main thread)", lambda: jobs.check_all(taken, signature, settings, True, 0.001), n)
-        pending, _ = jobs.check_all(taken, signature, settings, True, 0.001)
+        timed("check (main thread)", lambda: jobs.check_batch(taken, "digits", signature, settings, True, 0.001), n)
+        pending, _ = jobs.check_batch(taken, "digits", signature, settings, True, 0.001)
         groups = group(pending, lambda p: p.key, args.batch * args.rows, lambda p: p.rows)
         timed("group", lambda: group(pending, lambda p: p.key, args.batch * args.rows, lambda p: p.rows), n)
         timed("join the inputs", lambda: [jobs.group_inputs(members) for members in groups], n)
@@ -76,8 +76,8 @@ def main() -> None:
             for members, out, s in zip(groups, outputs, sizes, strict=True)
             for member, mine in zip(members, split(out, s), strict=True)
         ]
-        timed("encode (replier)", lambda: [c.answer(settings) for c in computed], n)
-        answers = [c.answer(settings) for c in computed]
+        timed("encode (replier)", lambda: [c.encode(settings) for c in computed], n)
+        answers = [c.encode(settings) for c in computed]
         finished = [a for a in answers if isinstance(a, Finished)]
         unsent = Book(connection, "stages", keys.queue_name("digits"), executions=False)
 

@@ -78,6 +78,8 @@ def main(verbose: bool) -> None:
   ortq worker --model model.onnx --name resnet --provider plugin --ep-library /opt/ep/libmy_ep.so --ep-name MyEP
   ortq worker --model model.onnx --name resnet --provider winml --adapter npu
   ortq worker --model model.onnx --name resnet --provider cuda --max-batch 32 --max-wait-ms 2 --rows-independent
+  ortq worker --model model.onnx --name resnet --provider cuda --provider-option use_tf32=0
+  ortq worker --model jpeg_resnet.onnx --name resnet --custom-ops onnxruntime_extensions
 """
 )
 @click.option(
@@ -220,6 +222,24 @@ def main(verbose: bool) -> None:
     help="The version of the model this worker serves, which every answer names and producers may pin "
     "(docs/operations.md, 'Model versions'); default: the first 12 hex digits of the model file's SHA-256.",
 )
+@click.option(
+    "--custom-ops",
+    default=None,
+    envvar="ORTQ_CUSTOM_OPS",
+    metavar="LIBRARY",
+    help="Register this custom-op library before the session is made: onnxruntime_extensions (that package's "
+    "library, ortq[images]: e.g. its DecodeImage, so that jobs carry JPEG/PNG bytes) or a shared library's path.",
+)
+@click.option(
+    "--provider-option",
+    "provider_option",
+    multiple=True,
+    envvar="ORTQ_PROVIDER_OPTIONS",
+    metavar="KEY=VALUE",
+    help="An option for the execution provider, after ortq's own (repeatable; $ORTQ_PROVIDER_OPTIONS: several, "
+    "space-separated), e.g. use_tf32=0 for CUDA. device_id is refused (use --adapter), and so is an option the "
+    "provider does not report back after the session is made (docs/adapters.md).",
+)
 @_REDIS_URL
 def worker(
     model_path: Path,
@@ -244,9 +264,12 @@ def worker(
     stall_seconds: float,
     job_timeout: float | None,
     model_version: str | None,
+    custom_ops: str | None,
+    provider_option: tuple[str, ...],
     redis_url: str | None,
 ) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
+    from ortq.worker import provider_options
     from ortq.worker.serve import WorkerConfig, serve
 
     if adapter is not None and device_id is not None:
@@ -273,6 +296,8 @@ def worker(
         stall_seconds=stall_seconds,
         job_timeout=job_timeout,
         model_version=model_version,
+        custom_ops=custom_ops,
+        provider_options=tuple(provider_options.parse(text) for text in provider_option),
     )
     sys.exit(serve(config, _settings(redis_url)))
 

@@ -151,6 +151,16 @@ class ModelLoadError(OrtqError):
     """The model file could not be read or ONNX Runtime refused it."""
 
 
+class CustomOpsUnavailable(ConfigurationError):
+    """The ``--custom-ops`` library cannot be used: its package is not installed, its path is no file,
+    or ONNX Runtime could not load it as a custom-op library."""
+
+
+class ProviderOptionRejected(ConfigurationError):
+    """A ``--provider-option`` is malformed, names an option ortq sets itself (``device_id``: use
+    ``--adapter``), or is not among the options the execution provider reports it took."""
+
+
 class DeviceLost(OrtqError):
     """The GPU under the session is gone (DirectML device removed or reset, a CUDA failure): the session
     cannot run again. The worker puts its jobs back on the queue and exits with :data:`EXIT_DEVICE_LOST`

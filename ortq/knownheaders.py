@@ -35,7 +35,7 @@ MAX_HEADER = 1024  # bounds what the cache holds: 64 keys of at most this
 #: A tensor of at least this many bytes a frame is joined by np.concatenate, which copies without
 #: the GIL, rather than by bytes.join, which holds it: joining a batch of 600 KB images held the
 #: GIL for ~150 us a job, during which the feeder could not read the next batch's frames
-#: (bench/gpu/throughput.py conv on the H200, docs/performance.md "Ninth pass").
+#: (bench/gpu/throughput.py conv on the H200, docs/results/performance-history.md "Ninth pass").
 GIL_FREE_COPY = 64 * 1024
 KNOWN: dict[bytes, KnownHeader] = {}
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ortq.errors import ConfigurationError
 
@@ -47,6 +49,10 @@ def free_port() -> int:
 STREAM_NODE_MAX_BYTES = 512
 
 
+class _PortTaken(Exception):
+    """The server could not have its port: another process holds it."""
+
+
 class LocalRedis:
     """``with LocalRedis() as server: server.url`` — started on enter, stopped on exit."""
 
@@ -57,6 +63,9 @@ class LocalRedis:
         durable: bool = False,
         stream_node_max_bytes: int = STREAM_NODE_MAX_BYTES,
     ) -> None:
+        #: Chosen here (no port given): a port another process takes between free_port() and the
+        #: server's bind is replaced by a fresh one on the first start (parallel test runs).
+        self._own_port_choice = not port
         self.port = port or free_port()
         self.stream_node_max_bytes = stream_node_max_bytes
         # durable: an append-only file fsynced on every write, so that a restart (restart()) keeps
@@ -70,6 +79,19 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
+        first_start = self._dir is None
+        for attempt in range(5):
+            try:
+                return self._start(timeout)
+            except _PortTaken as taken:
+                # Only a port chosen here, and only before the first start: a restart keeps its port.
+                if not (first_start and self._own_port_choice) or attempt == 4:
+                    self.stop()
+                    raise ConfigurationError(f"redis-server did not start on port {self.port}: {taken}") from None
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> LocalRedis:
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="ortq-redis-")
         args = [
@@ -81,19 +103,30 @@ class LocalRedis:
         with open(log_path, "wb") as log_file:
             self.process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    output = log_path.read_text(errors="replace")[-2000:]
-                    self.stop()
-                    raise ConfigurationError(f"redis-server did not start on port {self.port}: {output}") from None
-                time.sleep(0.05)
-        client.close()
-        return self
+        # No retries inside redis-py: this loop is the retry, and sees the server exit between tries.
+        client = redis.Redis(port=self.port, socket_connect_timeout=1, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+        try:
+            while True:
+                try:
+                    client.ping()  # raises while the server still loads its data (a durable restart)
+                    # The server answering must be this one: another process's server on the same
+                    # port would answer while this one fails to bind.
+                    pid = client.info("server")["process_id"]
+                    if pid == self.process.pid:
+                        return self
+                    self._terminate()
+                    raise _PortTaken(f"another server (pid {pid}) listens there")
+                except redis.RedisError:  # not up yet, or not a Redis listening there
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        output = log_path.read_text(errors="replace")[-2000:]
+                        self._terminate()
+                        if "already in use" in output:
+                            raise _PortTaken(output) from None
+                        self.stop()
+                        raise ConfigurationError(f"redis-server did not start on port {self.port}: {output}") from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def restart(self, down_for: float = 0.0) -> None:
         """Stop the server and start it again on the same port and directory (its data survives

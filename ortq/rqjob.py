@@ -1,10 +1,12 @@
-"""ortq's one job function and the RQ job class that refuses every other callable.
+"""ortq's one job function, how an ortq worker reads a job hash, and the RQ job class that
+refuses every other callable.
 
-RQ resolves a job's ``func_name`` (and its callback names) with ``import_attribute``:
-whoever can write a job hash can make a worker import and call anything. An ortq
-worker loads every job through :class:`OrtqJob`, which resolves nothing but
-:data:`ortq.keys.JOB_FUNC` and has no callbacks, on every RQ code path that touches a
-job (dequeue, registry cleanup, failure handling).
+RQ resolves a job's ``func_name`` (and its callback names) with ``import_attribute``: whoever can
+write a job hash can make a worker import and call anything. An ortq worker runs no RQ code: it
+reads each job hash itself (:class:`JobRecord`, from the fields start.lua returns) and runs a job
+only if it names :data:`ortq.keys.JOB_FUNC` and no callback, importing nothing a hash names.
+:class:`OrtqJob` applies the same rule where RQ's own code loads ortq jobs: the dashboard
+(ortq.dashboard), and ``Job.fetch`` in tests and in users' RQ scripts.
 """
 
 from __future__ import annotations

@@ -190,13 +190,14 @@ class Settings:
     #: instead, so turning it off (``ORTQ_RQ_RESULTS=0``) loses nothing they see and saves Redis ~15%
     #: of its scripts' time per small job (docs/performance.md); failures are always recorded.
     rq_results: bool = True
-    #: Workers write RQ's execution records for each job (``rq:execution:<id>:<execution>``,
+    #: Workers write RQ's execution records of the jobs they run (``rq:execution:<id>:<execution>``,
     #: ``rq:executions:<id>`` and RQ 3's ``rq:worker:<name>:executions``: what RQ's
     #: ``job.get_executions()`` and a worker's current job in ``rq info`` and rq-dashboard read;
-    #: ``ortq info`` then shows it from ortq's own worker record).
-    #: ortq's recovery finds a running job's worker in its execution id, so turning them off
-    #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views and saves Redis 10-40% of its CPU per
-    #: small job (docs/performance.md, sixth pass). The started registry is written either way.
+    #: ``ortq info`` shows it from ortq's own worker record either way). They are written at the
+    #: worker's heartbeats, for the jobs it holds then (ortq/rqcompat/lua/executions.lua), not at
+    #: each start: a job that ends before a heartbeat never has them, and costs Redis nothing for
+    #: them. ortq's recovery finds a running job's worker in its execution id, so turning them off
+    #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views. The started registry is written either way.
     rq_executions: bool = True
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each

@@ -29,6 +29,17 @@ case "$test_pass" in
 esac
 status=0
 
+# Every pass runs its tests in parallel (pytest-xdist): ORTQ_TEST_WORKERS pytest processes, by default two a
+# CPU core up to 8 (most tests wait on worker processes and Redis: on CI's 2-core VM pass 1 took 17 min in one
+# process, 6.5 min in 3, 5 min in 4, and no less in 6 or 8, where the load made tests fail). Each process has
+# its own redis-server; a test goes to whichever is free, except that tests sharing a module-scoped fixture, and
+# tests/windows, stay on one (tests/xdist_groups.py). ORTQ_TEST_WORKERS=0, or `-n 0` or `-p no:xdist` among
+# the extra arguments, runs a pass in one process, as before (for --pdb and the like).
+cores=$(nproc 2>/dev/null || echo 2)
+workers="${ORTQ_TEST_WORKERS:-$((2 * cores < 8 ? 2 * cores : 8))}"
+xdist=(-n "$workers" --dist loadgroup)
+if [ "$workers" = 0 ] || [[ " $* " == *no:xdist* ]]; then xdist=(); fi
+
 rq_version() { "$1/bin/python" -c 'import rq; print(rq.__version__)'; }
 
 if [ "$test_pass" = all ] || [ "$test_pass" = main ]; then
@@ -43,7 +54,7 @@ if [ "$test_pass" = all ] || [ "$test_pass" = main ]; then
     if [ "${CI:-}" = "true" ] || [ "${ORTQ_WINE:-0}" = "1" ]; then
         bash tests/windows/setup.sh
     fi
-    .venv/bin/python -m pytest "$@" || status=$?
+    .venv/bin/python -m pytest "${xdist[@]}" "$@" || status=$?
     # pytest's 5: nothing selected, which only the caller's own -k/-m/path arguments can cause.
     if [ "$status" -eq 5 ] && [ $# -gt 0 ]; then status=0; fi
 fi
@@ -57,7 +68,7 @@ if [ "$test_pass" = all ] || [ "$test_pass" = rq2 ]; then
     fi
     rq2_status=0
     # The cache stays apart from pass 1's, whose entries were written under another RQ.
-    .venv-rq2/bin/python -m pytest -m rqcompat -o cache_dir=.pytest_cache/rq2 "$@" || rq2_status=$?
+    .venv-rq2/bin/python -m pytest "${xdist[@]}" -m rqcompat -o cache_dir=.pytest_cache/rq2 "$@" || rq2_status=$?
     if [ "$rq2_status" -eq 5 ] && [ $# -gt 0 ]; then rq2_status=0; fi
     if [ "$rq2_status" -ne 0 ]; then status=$rq2_status; fi
 fi
@@ -80,8 +91,8 @@ if [ "$test_pass" = all ] || [ "$test_pass" = valkey ]; then
         [ -x .venv/bin/python ] || ortq_venv "worker,dev" .venv
         echo "== pass 3: tests marked rqcompat of ${VALKEY_TESTS[*]} on $(valkey-server --version | cut -d' ' -f1-3), in .venv"
         valkey_status=0
-        ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest -m rqcompat -o cache_dir=.pytest_cache/valkey \
-            "${VALKEY_TESTS[@]}" "$@" || valkey_status=$?
+        ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest "${xdist[@]}" -m rqcompat \
+            -o cache_dir=.pytest_cache/valkey "${VALKEY_TESTS[@]}" "$@" || valkey_status=$?
         if [ "$valkey_status" -eq 5 ] && [ $# -gt 0 ]; then valkey_status=0; fi
         if [ "$valkey_status" -ne 0 ]; then status=$valkey_status; fi
     fi

@@ -21,6 +21,12 @@ from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
 from tests import onnx_models
+from tests.xdist_groups import (  # noqa: F401  (hooks: pytest-xdist's groups, which tests share a worker)
+    pytest_collection_modifyitems,
+    pytest_configure_node,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 _names = itertools.count()

@@ -46,8 +46,10 @@ def _save(
     inputs: list[onnx.ValueInfoProto],
     outputs: list[onnx.ValueInfoProto],
     initializers: dict[str, np.ndarray] | None = None,
+    domains: dict[str, int] | None = None,
 ) -> Path:
-    """Assemble a graph into an opset-17 / IR-8 model, check it, write it to ``path``."""
+    """Assemble a graph into an opset-17 / IR-8 model, check it, write it to ``path``; ``domains``:
+    the versions of other operator domains it imports (custom ops: tests/image_models.py)."""
     graph = helper.make_graph(
         nodes,
         name,
@@ -57,7 +59,8 @@ def _save(
     )
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
+        opset_imports=[helper.make_opsetid("", OPSET)]
+        + [helper.make_opsetid(domain, version) for domain, version in (domains or {}).items()],
         producer_name="ortq tests/onnx_models.py",
         doc_string=f"ortq test model '{name}'",
     )
@@ -106,10 +109,24 @@ def conv_model(path: Path) -> Path:
     GlobalAveragePool, Flatten and a Gemm to 10 classes. About 230 MFLOP per image: a direct
     onnxruntime CPU ``session.run`` on one image takes ~2.3-2.8 ms (p50) on a 2-core machine.
     """
+    nodes, weights = conv_layers("image")
+    return _save(
+        path,
+        "conv",
+        nodes=nodes,
+        inputs=[helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 224, 224])],
+        outputs=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        initializers=weights,
+    )
+
+
+def conv_layers(first: str) -> tuple[list[onnx.NodeProto], dict[str, np.ndarray]]:
+    """:func:`conv_model`'s nodes and weights from the float32 NCHW tensor ``first`` to ``logits``,
+    for models that compute that tensor themselves (tests/image_models.py: from a JPEG's bytes)."""
     rng = np.random.default_rng(SEED)
     nodes: list[onnx.NodeProto] = []
     weights: dict[str, np.ndarray] = {}
-    current, in_ch = "image", 3
+    current, in_ch = first, 3
     for i, (out_ch, stride) in enumerate(_CONV_LAYERS):
         fan_in = in_ch * 9
         weights[f"conv{i}_w"] = (rng.standard_normal((out_ch, in_ch, 3, 3)) * np.sqrt(2 / fan_in)).astype(np.float32)
@@ -133,14 +150,7 @@ def conv_model(path: Path) -> Path:
         helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
     ]
-    return _save(
-        path,
-        "conv",
-        nodes=nodes,
-        inputs=[helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 224, 224])],
-        outputs=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
-        initializers=weights,
-    )
+    return nodes, weights
 
 
 def image_model(path: Path) -> Path:
@@ -334,7 +344,10 @@ def centered_model(path: Path) -> Path:
 def timed_slow_model(path: Path, seconds: float) -> Path:
     """:func:`slow_model` with as many loops as make one single-threaded CPU run last about
     ``seconds`` on this machine (measured on a short model first), so that tests relying on a run
-    outlasting something hold on fast and slow machines alike; a loaded machine only lengthens it."""
+    outlasting something hold on fast and slow machines alike; a loaded machine only lengthens it.
+    The probe's runs are timed in CPU time of the thread that runs them (ONNX Runtime runs a
+    single-threaded session on the caller's thread): wall time, taken while other processes share
+    the CPU (tests in parallel), would count their time too and make the model too short."""
     import onnxruntime as ort  # the test side has it; model builders do not otherwise need it
 
     probe = slow_model(path.with_name(path.stem + "-probe.onnx"), SLOW_MODEL_LOOPS // 4)
@@ -345,8 +358,8 @@ def timed_slow_model(path: Path, seconds: float) -> Path:
     session.run(None, x)
     took = []
     for _ in range(2):
-        started = time.perf_counter()
+        started = time.thread_time()
         session.run(None, x)
-        took.append(time.perf_counter() - started)
+        took.append(time.thread_time() - started)
     per_loop = min(took) / (SLOW_MODEL_LOOPS // 4)
     return slow_model(path, max(1, round(seconds / per_loop)))

@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from ortq import AsyncProducer, keys, wire
+from ortq import AsyncProducer, keys, redisfunctions, wire
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
 from ortq.errors import (
     BrokerUnavailable,
@@ -29,7 +29,6 @@ from ortq.errors import (
     UnknownModel,
 )
 from ortq.localredis import LocalRedis
-from ortq.producer import priority
 from ortq.settings import Settings
 from tests import onnx_models
 from tests.conftest import WorkerProcesses, eventually
@@ -315,7 +314,7 @@ def test_high_priority_by_fcall_and_by_eval_before_any_worker_loaded_the_functio
         async with producer_for(own_redis.url, allow_unknown_models=True) as producer:
             normal = await producer.submit(model_name, x)
             by_eval = await producer.submit_many(model_name, [x, x], priority="high")  # no function yet
-            assert priority.ensure_functions(admin)  # what a worker does at start
+            assert redisfunctions.ensure_functions(admin)  # what a worker does at start
             by_fcall = await producer.submit(model_name, x, priority="high")
             queued = [keys.as_text(i) for i in admin.lrange(keys.queue_key(model_name), 0, -1)]
             assert queued == [*(job.id for job in by_eval), by_fcall.id, normal.id]

@@ -1,4 +1,4 @@
-"""A batch's check through remembered headers (ortq.worker.jobs.check_all: one verdict per header
+"""A batch's check through remembered headers (ortq.worker.jobs.check_batch: one verdict per header
 a batch, inputs joined from the frames) decides for every job exactly what the full checks of its
 frame on its own decide, whatever the batch mixes: producers' frames of several shapes and dtypes,
 frames that differ from a remembered one in any byte, cut short or longer, bytes or bytearray.
@@ -71,7 +71,7 @@ def test_a_batch_decides_for_each_job_what_its_frame_alone_decides(data: st.Data
     knownheaders.KNOWN.clear()
     for kind in data.draw(st.lists(st.integers(0, len(KINDS) - 1), max_size=3)):  # headers seen before
         wire.decode_request(producer_frame(kind, 99))
-    pending, failures = jobs.check_all(taken, "m", SIGNATURE, SETTINGS, True, 0.0)
+    pending, failures = jobs.check_batch(taken, "m", SIGNATURE, SETTINGS, True, 0.0)
 
     decided: dict[str, tuple[Any, ...]] = {p.started.job_id: ("ok", p.rows, p.tensors(), p.proof) for p in pending}
     decided.update((f.started.job_id, ("failed", f.reason)) for f in failures)

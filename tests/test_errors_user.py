@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import redis
 
+from ortq import redisfaults
 from ortq.errors import ConfigurationError, ProviderUnavailable
 from ortq.localredis import find_redis_server, free_port
-from ortq.producer import Producer, faults
+from ortq.producer import Producer
 from ortq.settings import Settings, redacted_url, redis_message
 from ortq.worker.session import SessionPlan, install_advice, load_model, platform_refusal
 from tests import onnx_models
@@ -454,7 +455,7 @@ def test_a_pipelined_refusal_does_not_quote_the_commands_bytes(connection: redis
         pipe.rpush(f"{model_name}-string", frame)  # a push onto a string: WRONGTYPE, quoting the frame
         pipe.execute()
     assert "of pipeline caused error" in str(caught.value) and "frame" in str(caught.value)
-    error = faults.failure(caught.value, "could not enqueue 1 job(s)")
+    error = redisfaults.failure(caught.value, "could not enqueue 1 job(s)")
     assert str(error).startswith("could not enqueue 1 job(s): Redis error: ResponseError: WRONGTYPE"), error
     assert "frame" not in str(error) and "\n" not in str(error) and "Command #" not in str(error)
     assert redis_message(redis.ResponseError("ERR plain")) == "ERR plain"

@@ -34,7 +34,7 @@ from hypothesis.extra import numpy as hnp
 
 from ortq import keys, wire
 from ortq.errors import OrtqError, WireFormatError
-from ortq.producer.enqueue import UNPROVEN_ERRORS
+from ortq.producer.responses import UNPROVEN_ERRORS
 from ortq.rqjob import JobRecord
 from ortq.signature import ModelSignature
 from tests.conftest import WorkerProcesses, eventually

@@ -390,20 +390,34 @@ def test_two_hundred_thousand_expired_canceled_entries_are_removed_in_short_call
     """A producer may ZADD to its model's canceled registry (cancel needs it). The registry cleanup
     removed every expired entry in one call: 2 million blocked Redis for 0.8-1 s, every minute.
     Now each call removes at most book.MAINTAIN_LIMIT a registry, in a few milliseconds, and the
-    upkeep calls again (a few calls a second) until none is left."""
+    upkeep calls again (a few calls a second) until none is left.
+
+    The slow log times a call in wall time, so a redis-server that the OS deschedules mid-script (on
+    a machine busy with other tests: pytest-xdist) logs a short call as slow. The scenario is tried
+    up to three times and passes on a try without a slow call; a call that is slow for its own work
+    (one call for every entry: ~100 ms here) is slow on every try."""
     canceled = layout.QueueKeys.of(keys.queue_name(served.model)).canceled
-    for start in range(0, 200_000, 20_000):
-        served.r.zadd(canceled, {f"junk-{i}": 1 for i in range(start, start + 20_000)})
-    served.r.config_set("slowlog-log-slower-than", UPKEEP_MS * 1000)
-    served.r.slowlog_reset()
-    upkeep = Upkeep(Book(served.r, "hostile-upkeep", keys.queue_name(served.model)), Settings.from_url(served.url))
-    runs = 0
-    while served.r.zcard(canceled) and runs < 100:
-        upkeep.maintain()  # as the worker's heartbeat thread does, once its registries are due
-        runs += 1
-    assert served.r.zcard(canceled) == 0 and runs <= 10, runs  # 10 calls a run, 2,000 entries each
-    assert _slow_commands(served) == []
-    served.r.config_set("slowlog-log-slower-than", SLOW_MS * 1000)
+    tries: list[list[tuple[bytes, int]]] = []
+    try:
+        while len(tries) < 3:
+            for start in range(0, 200_000, 20_000):
+                served.r.zadd(canceled, {f"junk-{i}": 1 for i in range(start, start + 20_000)})
+            served.r.config_set("slowlog-log-slower-than", UPKEEP_MS * 1000)
+            served.r.slowlog_reset()
+            book = Book(served.r, "hostile-upkeep", keys.queue_name(served.model))
+            upkeep = Upkeep(book, Settings.from_url(served.url))
+            runs = 0
+            while served.r.zcard(canceled) and runs < 100:
+                upkeep.maintain()  # as the worker's heartbeat thread does, once its registries are due
+                runs += 1
+            assert served.r.zcard(canceled) == 0 and runs <= 10, runs  # 10 calls a run, 2,000 entries each
+            tries.append(_slow_commands(served))
+            if not tries[-1]:
+                break
+        assert tries[-1] == [], tries
+    finally:
+        served.r.config_set("slowlog-log-slower-than", SLOW_MS * 1000)
+        served.r.slowlog_reset()  # judged above at UPKEEP_MS, not again by no_slow_script at SLOW_MS
 
 
 def test_a_thousand_malformed_started_entries_do_not_stop_the_recovery_of_a_dead_workers_job(

@@ -140,7 +140,7 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
         else:
             unreached.append(site)
     # The same call made by another thread (a batch is answered by the replier or, when nothing
-    # waits, by the main thread: Replier.deliver either way) counts for one not reached here. A
+    # waits, by the main thread: Replier.answer either way) counts for one not reached here. A
     # call that only timing brings about (the started registry's ZRANGE when a scan finds jobs in
     # flight; an empty registry ends the scan at TYPE) may be missed too, but not many.
     calls = {site.split(" ", 1)[1] for site in reached}
@@ -251,7 +251,7 @@ def test_a_dead_replier_ends_the_worker_and_no_job_is_lost(
     next worker once the first one's heartbeat has stopped."""
     settings = Settings.from_url(redis_url, heartbeat_seconds=0.5)
     died = threading.Event()
-    answer = Replier._answer
+    answer = Replier._encode_and_send
 
     def dies_once(replier: Replier, outcome: Outcome, book: Book, answered: list[StartedJob]) -> None:
         if threading.current_thread().name == "ortq-replier" and not died.is_set():
@@ -259,7 +259,7 @@ def test_a_dead_replier_ends_the_worker_and_no_job_is_lost(
             raise Dying
         answer(replier, outcome, book, answered)
 
-    monkeypatch.setattr(Replier, "_answer", dies_once)
+    monkeypatch.setattr(Replier, "_encode_and_send", dies_once)
     session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
     inputs = [np.full((1, 4), i, np.float32) for i in range(300)]
     batching = {"max_batch": 2, "rows_independent": True}
@@ -270,7 +270,7 @@ def test_a_dead_replier_ends_the_worker_and_no_job_is_lost(
         first.thread.join(30)
         assert died.is_set() and first.status == EXIT_CRASHED
         assert not first.worker.ledger.held() and first.worker.ledger.defects == 0
-        monkeypatch.setattr(Replier, "_answer", answer)
+        monkeypatch.setattr(Replier, "_encode_and_send", answer)
         second = Serving(make_worker(tiny_path, model_name, settings, **batching))
         try:
             results = producer.results(jobs, timeout=60)

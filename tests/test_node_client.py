@@ -26,9 +26,8 @@ import onnxruntime as ort
 import pytest
 import redis
 
-from ortq import wire
+from ortq import redisfunctions, wire
 from ortq.localredis import LocalRedis
-from ortq.producer import priority
 from tests.conftest import REPO, WorkerProcesses
 from tests.test_raw_redis import doc_high_priority_script
 
@@ -255,7 +254,7 @@ def test_high_priority(
     normal ones, in order."""
     r = redis.Redis.from_url(redis_url)
     with contextlib.suppress(redis.ResponseError):  # not loaded (yet)
-        r.function_delete(priority.LIBRARY)
+        r.function_delete(redisfunctions.LIBRARY)
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     # Before any worker has served the model: enqueued for workers that start later.
     EARLY = ("--allow-unknown-model",)
@@ -267,7 +266,7 @@ def test_high_priority(
     evals = calls("eval")
     high1 = cli("submit", redis_url, model_name, *EARLY, "--priority", "high", stdin=as_json({"x": x + 10}))
     assert calls("eval") == evals + 1
-    assert priority.ensure_functions(r)  # what every worker does at start-up
+    assert redisfunctions.ensure_functions(r)  # what every worker does at start-up
     fcalls = calls("fcall")
     high2 = cli("submit", redis_url, model_name, *EARLY, "--priority", "high", stdin=as_json({"x": x + 20}))
     assert calls("fcall") == fcalls + 1
@@ -289,7 +288,7 @@ def test_high_priority_without_fcall(node_client: Path) -> None:
         r = redis.Redis.from_url(server.url)
         EARLY = ("--allow-unknown-model",)
         with pytest.raises(redis.ResponseError, match="unknown command"):
-            r.execute_command("FCALL", priority.FUNCTION, 0)
+            r.execute_command("FCALL", redisfunctions.FUNCTION, 0)
         x = {"x": np.ones((1, 4), dtype=np.float32)}
         normal = cli("submit", server.url, "m", *EARLY, stdin=as_json(x))
         high = cli("submit", server.url, "m", *EARLY, "--priority", "high", stdin=as_json(x))

@@ -56,7 +56,7 @@ MODEL = '[[model]]\nname = "m"\npath = "digits.onnx"\n'
 GROUP = "[[model.workers]]\ncount = 2\n"
 
 
-def no_measure(path: Path, threads: int | None, max_batch: int) -> str:
+def no_measure(path: Path, threads: int | None, max_batch: int, custom_ops: str | None) -> str:
     raise AssertionError("measure_memory = false: nothing may be measured")
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import redis
 
-from ortq.producer import priority
+from ortq import redisfunctions
 from tests.conftest import REPO, WorkerProcesses
 
 pytestmark = pytest.mark.rqcompat  # also in the second pass: raw replies under redis-py 5.0 too
@@ -146,7 +146,7 @@ def latest_result(r: redis.Redis, job_id: str) -> dict[bytes, bytes]:
 
 
 def test_doc_script_is_ortqs() -> None:
-    assert doc_high_priority_script() == priority.script_source()
+    assert doc_high_priority_script() == redisfunctions.script_source()
 
 
 def test_raw_enqueue_and_read(workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_raw_priority_and_cancel(workers: WorkerProcesses, redis_url: str, model
     """High priority by FCALL and by the doc's EVAL, a cancel, then a worker serves the rest."""
     r = raw_client(redis_url)
     # What every worker does at start-up; here before any worker runs, so the queue stays still.
-    r.execute_command("FUNCTION", "LOAD", "REPLACE", priority.library_source())
+    r.execute_command("FUNCTION", "LOAD", "REPLACE", redisfunctions.library_source())
     x = np.ones((1, 4), dtype=np.float32)
     frame = request_frame("x", x)
     normal = [enqueue_by_hand(r, model_name, frame) for _ in range(3)]

@@ -27,7 +27,7 @@ from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.wire import encode_request
 from tests import onnx_models
-from tests.conftest import REPO, WorkerProcesses
+from tests.conftest import REPO, WorkerProcesses, eventually
 
 BAN = Path(__file__).parent / "pickle_ban"
 
@@ -188,7 +188,9 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     victim = connection.hget(keys.job_key(job.id), "worker_name")
     assert victim is not None
     [entry] = connection.zrange(QueueKeys.of(keys.queue_name(model_name)).started, 0, -1)
-    assert connection.exists(layout.execution_key(*entry.decode().rsplit(":", 1))) == int(executions)
+    # RQ's execution hash comes at the worker's first heartbeat after the start (executions.lua).
+    execution_hash = layout.execution_key(*entry.decode().rsplit(":", 1))
+    eventually(lambda: connection.exists(execution_hash) == int(executions), timeout=5)
     record = json.loads(connection.get(keys.worker_key(victim.decode())) or b"{}")
     killed_at = time.monotonic()
     os.kill(record["pid"], signal.SIGKILL)

@@ -64,19 +64,21 @@ def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_e
     push(connection, model_name, job_id)
     [job], _ = start(connection, book)
     assert job.execution_id.startswith(execution_tag(name)) and len(job.execution_id) == 32
-    written = [1, 1, 1 if layout.RQ3 else 0] if executions else [0, 0, 0]
-    assert execution_records(connection, job, name) == written
+    # None at the start: a worker writes them at its next heartbeat, for the jobs it still holds.
+    assert execution_records(connection, job, name) == [0, 0, 0]
     assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") is not None
 
-    # A heartbeat refreshes what there is and creates nothing more.
+    written = [1, 1, 1 if layout.RQ3 else 0] if executions else [0, 0, 0]
     connection.zadd(book.queue.started, {f"{job_id}:{job.execution_id}": 1})
-    with connection.pipeline(transaction=False) as pipe:
-        positions = records.queue_heartbeat(pipe, [job])
-        results = pipe.execute(raise_on_error=False)
-    records.after_heartbeat(connection, results, positions, [job])
-    assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") > 1  # type: ignore[operator]
-    assert connection.exists(keys.job_key(job_id))  # not taken for a hash the heartbeat recreated
-    assert execution_records(connection, job, name) == written
+    for _ in range(2):  # the first heartbeat writes them, the next refreshes what there is
+        with connection.pipeline(transaction=False) as pipe:
+            positions = records.queue_heartbeat(pipe, [job])
+            results = pipe.execute(raise_on_error=False)
+        records.after_heartbeat(connection, results, positions, [job])
+        assert book.record_executions([job]) == int(executions)
+        assert connection.zscore(book.queue.started, f"{job_id}:{job.execution_id}") > 1  # type: ignore[operator]
+        assert connection.exists(keys.job_key(job_id))  # not taken for a hash the heartbeat recreated
+        assert execution_records(connection, job, name) == written
 
     response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(job, response, 60, None)]) == 1
@@ -84,6 +86,9 @@ def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_e
     assert connection.hget(keys.job_key(job_id), "status") == b"finished"
     assert execution_records(connection, job, name) == [0, 0, 0]
     assert connection.zcard(book.queue.started) == 0
+    # A heartbeat that still counted the job, its records written after the finish: none again.
+    assert book.record_executions([job]) == 0
+    assert execution_records(connection, job, name) == [0, 0, 0]
 
 
 def test_a_heartbeat_deletes_a_job_hash_it_recreated_without_execution_records(

@@ -22,6 +22,7 @@ from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from tests import onnx_models
 from tests.conftest import WorkerProcesses, eventually
+from tests.rqcontract.reference import PromptSimpleWorker
 
 pytestmark = pytest.mark.rqcompat
 
@@ -75,15 +76,19 @@ def test_finished_job_reads_back_through_rq(
 
 def test_a_running_job_is_started_in_rq(
     producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, models_dir: Path,
-    connection: redis.Redis,
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    slow = onnx_models.slow_model(models_dir / "slow.onnx", onnx_models.SLOW_MODEL_LOOPS)
+    slow = onnx_models.timed_slow_model(models_dir / "slow-3s.onnx", 3.0)
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
     workers.serve(slow, model_name, redis_url)
     job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
     queue = keys.queue_name(model_name)
     eventually(lambda: job.status() == "started")
     assert StartedJobRegistry(queue, connection=connection).get_job_ids() == [job.id]
-    [execution] = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer).get_executions()
+    # RQ's execution record of a run is written at the worker's first heartbeat after its start.
+    fetched = OrtqJob.fetch(job.id, connection=connection, serializer=MsgpackSerializer)
+    eventually(lambda: len(fetched.get_executions()) == 1, timeout=5)
+    [execution] = fetched.get_executions()
     worker = SimpleWorker.find_by_key(f"rq:worker:{execution.worker_name}", connection=connection,
                                       serializer=MsgpackSerializer)  # fmt: skip
     assert worker is not None and worker.get_state() == "busy"
@@ -115,7 +120,7 @@ def test_same_fields_as_rq_own_worker(
     # Reference: a job RQ enqueues and RQ's own SimpleWorker runs, with ortq's serializer.
     reference_queue = Queue(f"ref-{model_name}", connection=connection, serializer=MsgpackSerializer)
     reference = reference_queue.enqueue(echo, 3, result_ttl=600, failure_ttl=600)
-    SimpleWorker([reference_queue], connection=connection, serializer=MsgpackSerializer).work(burst=True)
+    PromptSimpleWorker([reference_queue], connection=connection, serializer=MsgpackSerializer).work(burst=True)
     assert reference.get_status(refresh=True) == JobStatus.FINISHED
 
     workers.serve(tiny_path, model_name, redis_url)

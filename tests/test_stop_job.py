@@ -15,7 +15,7 @@ from rq.command import send_stop_job_command
 
 from ortq import keys
 from ortq.errors import InferenceFailed
-from ortq.producer import AsyncProducer, Producer
+from ortq.producer import AsyncProducer, Producer, cancelling
 from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
@@ -84,14 +84,14 @@ def test_a_stop_only_marks_a_started_job_of_its_own_model(
     that ended, or to another model's job of that id."""
     with Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True) as producer:
         queued = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
-        assert producer._request_stop(connection, queued.id, model_name) is False
+        assert producer._run(model_name, cancelling.request_stop(queued.id, model_name)) is False
         assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
         connection.hset(keys.job_key(queued.id), "status", "started")  # as a worker's start writes it
-        assert producer._request_stop(connection, queued.id, f"{model_name}-other") is False
+        assert producer._run(model_name, cancelling.request_stop(queued.id, f"{model_name}-other")) is False
         assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
-        assert producer._request_stop(connection, queued.id, model_name) is True
+        assert producer._run(model_name, cancelling.request_stop(queued.id, model_name)) is True
         assert connection.hget(keys.job_key(queued.id), "ortq_stop") is not None
-        assert producer._request_stop(connection, "no-such-job", model_name) is False
+        assert producer._run(model_name, cancelling.request_stop("no-such-job", model_name)) is False
         assert not connection.exists(keys.job_key("no-such-job"))
 
 

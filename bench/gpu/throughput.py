@@ -54,7 +54,7 @@ from ortq.producer import Producer
 from ortq.producer.enqueue import outputs_of
 from ortq.rqcompat import layout
 from ortq.settings import Settings
-from ortq.worker.session import compare_with_cpu
+from ortq.worker.canary import compare_with_cpu
 
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 TICK = os.sysconf("SC_CLK_TCK")
@@ -150,7 +150,7 @@ def floor_consumer(url: str, queue_key: str, batch: int, reply_bytes: int) -> No
     while True:
         # BLPOP, then LPOP with a count: Redis 6.2 has no BLMPOP (the device's redis-server is 6.2).
         _, first = connection.blpop([queue_key], 0)  # type: ignore[misc]
-        frames = [first, *(connection.lpop(queue_key, batch - 1) or [])] if batch > 1 else [first]  # type: ignore[misc]
+        frames = [first, *(connection.lpop(queue_key, batch - 1) or [])] if batch > 1 else [first]  # type: ignore[misc,unused-ignore]
         stops = frames.count(b"stop")
         if stops:  # one for each consumer: the ones popped here that are another's go back
             if stops > 1:
@@ -327,6 +327,25 @@ def responses_of(producer: Any, jobs: list[Any]) -> list[Any]:
     return list(producer.wait_responses([j.id for j in jobs], 60, [j.nonce for j in jobs]))
 
 
+def workload_row(work: Workload, model: Path) -> tuple[dict[str, Any], bytes, int]:
+    """A workload's report row (what it is), its request frame and its response's size (from a CPU run)."""
+    session = session_for(model, "cpu")
+    one = job_inputs(work, 0)
+    frame = wire.encode_request(one)
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, one), strict=True))
+    reply_bytes = len(wire.encode_response(outputs))
+    row: dict[str, Any] = {
+        "workload": work.name,
+        "jobs": work.jobs,
+        "rows_per_job": work.rows_per_job,
+        "batch_rows": work.max_batch,
+        "job_timeout": work.job_timeout,
+        "frame_bytes": len(frame),
+        "reply_bytes": reply_bytes,
+    }
+    return row, frame, reply_bytes
+
+
 def measure(
     url: str,
     models: Path,
@@ -337,18 +356,7 @@ def measure(
     metrics: bool = False,
 ) -> dict[str, Any]:
     model = models / f"{work.model}.onnx"
-    one = job_inputs(work, 0)
-    frame = wire.encode_request(one)
-    reply_bytes = len(wire.encode_response({"y": session_for(model, "cpu").run(None, one)[0]}))
-    row: dict[str, Any] = {
-        "workload": work.name,
-        "jobs": work.jobs,
-        "rows_per_job": work.rows_per_job,
-        "batch_rows": work.max_batch,
-        "job_timeout": work.job_timeout,
-        "frame_bytes": len(frame),
-        "reply_bytes": reply_bytes,
-    }
+    row, frame, reply_bytes = workload_row(work, model)
     row["direct_rows_per_s"] = direct(work, model, provider)
     row["direct_us_per_run"] = 1e6 * work.max_batch / row["direct_rows_per_s"]
     row["runs"] = []

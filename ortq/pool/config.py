@@ -7,19 +7,19 @@ file, the table and the key (see docs/pool.md for the format).
 
 from __future__ import annotations
 
-import difflib
-import re
 import tomllib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any
 
 from ortq import keys
 from ortq.errors import ConfigurationError
+from ortq.pool.tomltable import Env, Table
 from ortq.settings import Settings, redacted_url
 from ortq.shards import ENV_VAR as SHARDS_ENV_VAR
 from ortq.shards import ShardMap
+from ortq.worker import provider_options
+from ortq.worker.custom_ops import PACKAGES as CUSTOM_OPS_PACKAGES
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "plugin", "auto")
@@ -42,6 +42,8 @@ _FROM_KEY = {
     "ORTQ_STALL_SECONDS": "stall_seconds",
     "ORTQ_JOB_TIMEOUT": "job_timeout",
     "ORTQ_MODEL_VERSION": "version",
+    "ORTQ_CUSTOM_OPS": "custom_ops",
+    "ORTQ_PROVIDER_OPTIONS": "provider_options",
     "ORTQ_REDIS_URL": "redis_url in [pool] or [[model]]",
     SHARDS_ENV_VAR: "redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
     "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
@@ -53,10 +55,6 @@ RESERVED_ENV = {
     "CUDA_VISIBLE_DEVICES": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
     "CUDA_DEVICE_ORDER": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
 }
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-Env = tuple[tuple[str, str], ...]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,6 +81,8 @@ class WorkerGroup:
     #: cuda/dml, adapter 0, as ``ortq worker`` does).
     adapter: str | None = None
     env: Env = ()
+    #: ``ortq worker --provider-option`` pairs for this group's workers, on top of the model's.
+    provider_options: Env = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,11 @@ class ModelConfig:
     job_timeout: float | None = None
     #: ``ortq worker --model-version`` (None: the model file's digest).
     version: str | None = None
+    #: ``ortq worker --custom-ops``: a package name of ortq.worker.custom_ops.PACKAGES, or a library's
+    #: absolute path (the file's relative to pool.toml's folder); None: none.
+    custom_ops: str | None = None
+    #: ``ortq worker --provider-option`` pairs for every worker of the model (a group's add to them).
+    provider_options: Env = ()
 
     @property
     def worker_count(self) -> int:
@@ -171,103 +176,6 @@ class PoolConfig:
         return _parse(Table(data, "the top level", source), base_dir or Path.cwd())
 
 
-class Table:
-    """A TOML table being read: typed getters, and :meth:`finish` refuses the keys nobody read."""
-
-    def __init__(self, data: Mapping[str, Any], where: str, source: str) -> None:
-        self.data = data
-        self.where = where
-        self.source = source
-        self._read: set[str] = set()
-
-    def error(self, message: str) -> ConfigurationError:
-        return ConfigurationError(f"{self.source}: {self.where}: {message}")
-
-    def _get(self, key: str, default: T, check: Callable[[Any], bool], want: str) -> T:
-        self._read.add(key)
-        if key not in self.data:
-            return default
-        value = self.data[key]
-        if not check(value):
-            raise self.error(f"{key} must be {want}, got {value!r} ({_toml_type(value)})")
-        return value  # type: ignore[no-any-return]
-
-    def string(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str | None:
-        value = self._get(key, default, lambda v: isinstance(v, str) and v != "", "a non-empty string")
-        if value is not None and choices and value not in choices:
-            raise self.error(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    @overload
-    def integer(self, key: str, default: int, minimum: int, maximum: int | None = None) -> int: ...
-    @overload
-    def integer(self, key: str, default: None, minimum: int, maximum: int | None = None) -> int | None: ...
-    def integer(self, key: str, default: int | None, minimum: int, maximum: int | None = None) -> int | None:
-        def check(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= minimum and (maximum is None or v <= maximum)
-
-        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        return self._get(key, default, check, f"an integer {bound}")
-
-    @overload
-    def number(self, key: str, default: float, minimum: float, above: bool = False) -> float: ...
-    @overload
-    def number(self, key: str, default: None, minimum: float, above: bool = False) -> float | None: ...
-    def number(self, key: str, default: float | None, minimum: float, above: bool = False) -> float | None:
-        def check(v: Any) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool) and (v > minimum if above else v >= minimum)
-
-        value = self._get(key, default, check, f"a number {'>' if above else '>='} {minimum:g}")
-        return None if value is None else float(value)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        return self._get(key, default, lambda v: isinstance(v, bool), "true or false")
-
-    def table(self, key: str, where: str) -> Table:
-        return Table(
-            self._get(key, {}, lambda v: isinstance(v, dict), f"a table ([{where}])"), f"[{where}]", self.source
-        )
-
-    def tables(self, key: str, where: str, inside: str = "") -> list[Table]:
-        """The array of tables ``key``; ``inside`` (the enclosing table's name) prefixes their names."""
-
-        def check(v: Any) -> bool:
-            return isinstance(v, list) and all(isinstance(t, dict) for t in v)
-
-        found: list[dict[str, Any]] = self._get(key, [], check, f"an array of tables ([[{where}]])")
-        return [Table(t, f"{inside}[[{where}]] #{n}", self.source) for n, t in enumerate(found, 1)]
-
-    def env(self, where: str) -> Env:
-        """The ``env`` table: variable names to strings (numbers are turned into strings)."""
-        table = self.table("env", where)
-        table.where = f"{self.where} env" if self.where.startswith("[[") else table.where
-        pairs = []
-        for name, value in table.data.items():
-            table._read.add(name)
-            if not _ENV_NAME.match(name):
-                raise table.error(f"{name!r} is not an environment variable name")
-            if name.upper() in RESERVED_ENV:
-                raise table.error(f"{name} cannot be set here: {RESERVED_ENV[name.upper()]}")
-            if isinstance(value, bool) or not isinstance(value, str | int | float):
-                raise table.error(f"{name} must be a string or a number, got {value!r} ({_toml_type(value)})")
-            pairs.append((name, str(value)))
-        return tuple(pairs)
-
-    def finish(self) -> None:
-        unknown = [k for k in self.data if k not in self._read]
-        if unknown:
-            key = unknown[0]
-            known = sorted(self._read)
-            close = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(self._read))}"
-            raise self.error(f"unknown key {key!r}{hint}")
-
-
-def _toml_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
-    return names.get(type(value), type(value).__name__)
-
-
 def _parse(top: Table, base_dir: Path) -> PoolConfig:
     pool = top.table("pool", "pool")
     restart_table = pool.table("restart", "pool.restart")
@@ -282,7 +190,7 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
         "grace_seconds": pool.number("grace_seconds", 30.0, 0, above=True),
         "log_dir": None if log_dir is None else base_dir / log_dir,
         "measure_memory": pool.boolean("measure_memory", True),
-        "env": pool.env("pool.env"),
+        "env": pool.env("pool.env", RESERVED_ENV),
     }
     pool.finish()
     fields["restart"] = _restart(restart_table)
@@ -372,15 +280,18 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
         skip_canary=table.boolean("skip_canary", False),
         burst=table.boolean("burst", False),
         memory_per_worker_bytes=None if memory_mib is None else memory_mib * 1024**2,
-        env=table.env("model.env"),
+        env=table.env("model.env", RESERVED_ENV),
         redis_url=_redis_url(table),
         ep_library=None if ep_library is None else (base_dir / ep_library).resolve(),
         ep_name=ep_name,
         stall_seconds=table.number("stall_seconds", None, 0),
         job_timeout=table.number("job_timeout", None, 0, above=True),
         version=_version(table),
+        custom_ops=_custom_ops(table, base_dir),
+        provider_options=table.provider_options("model.provider_options"),
     )
     table.finish()
+    _check_provider_options(table, model)
     if not model.groups:
         raise table.error("no [[model.workers]] tables: say how many workers, e.g. [[model.workers]] count = 1")
     if max_wait_ms > 0 and max_batch == 1:
@@ -400,7 +311,10 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
 
 def _group(table: Table, provider: str) -> WorkerGroup:
     group = WorkerGroup(
-        count=table.integer("count", 0, 1), adapter=table.string("adapter"), env=table.env("model.workers.env")
+        count=table.integer("count", 0, 1),
+        adapter=table.string("adapter"),
+        env=table.env("model.workers.env", RESERVED_ENV),
+        provider_options=table.provider_options("model.workers.provider_options"),
     )
     table.finish()
     if group.count == 0:
@@ -408,6 +322,28 @@ def _group(table: Table, provider: str) -> WorkerGroup:
     if group.adapter is not None and provider in ("cpu", "auto"):
         raise table.error(f"adapter does not apply to provider {provider!r} (a CPU pool says only how many: count = N)")
     return group
+
+
+def _custom_ops(table: Table, base_dir: Path) -> str | None:
+    """A model's ``custom_ops``: a package name as it is, a library's path relative to the file's folder."""
+    spec = table.string("custom_ops")
+    if spec is None or spec in CUSTOM_OPS_PACKAGES:
+        return spec
+    return str((base_dir / spec).resolve())
+
+
+def group_provider_options(model: ModelConfig, group: WorkerGroup) -> Env:
+    """What a group's workers get as --provider-option: the model's, then the group's (which win)."""
+    return tuple({**dict(model.provider_options), **dict(group.provider_options)}.items())
+
+
+def _check_provider_options(table: Table, model: ModelConfig) -> None:
+    """Each group's options, checked as its workers will check them (ortq.worker.provider_options)."""
+    for group in model.groups:
+        try:
+            provider_options.check(model.provider, group_provider_options(model, group))
+        except ConfigurationError as exc:
+            raise table.error(str(exc)) from None
 
 
 def _version(table: Table) -> str | None:

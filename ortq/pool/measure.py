@@ -1,11 +1,11 @@
 """Measuring what one worker's session costs, in a fresh interpreter, before the pool starts any.
 
-``python -m ortq.pool.measure MODEL THREADS MAX_BATCH`` imports what a worker imports, creates the
-model's session on the CPU exactly as a worker does (ortq.worker.session.load_model), runs it once
-on signature-built inputs of ``MAX_BATCH`` rows, and prints one JSON line: the process's resident
-memory before the session (interpreter + ortq + ONNX Runtime) and after the run (+ weights, CPU
-arena, activations). A subprocess, because a session's memory cannot be given back to the OS by
-deleting it, and the pool itself never loads ONNX Runtime.
+``python -m ortq.pool.measure MODEL THREADS MAX_BATCH [CUSTOM_OPS]`` imports what a worker imports,
+creates the model's session on the CPU exactly as a worker does (ortq.worker.session.load_model, with
+the model's custom-op library), runs it once on signature-built inputs of ``MAX_BATCH`` rows, and
+prints one JSON line: the process's resident memory before the session (interpreter + ortq + ONNX
+Runtime) and after the run (+ weights, CPU arena, activations). A subprocess, because a session's
+memory cannot be given back to the OS by deleting it, and the pool itself never loads ONNX Runtime.
 
 For a GPU worker the CPU session's growth stands in for the session's device memory (the same
 weights and, roughly, the same activations); the device's own per-process cost (a CUDA context,
@@ -77,9 +77,12 @@ def _windows_working_set() -> int | None:
     return int(counters.WorkingSetSize)
 
 
-def measure_session(model_path: Path, threads: int | None, max_batch: int) -> SessionFootprint | str:
+def measure_session(
+    model_path: Path, threads: int | None, max_batch: int, custom_ops: str | None = None
+) -> SessionFootprint | str:
     """The footprint of ``model_path``'s CPU session, or why it could not be measured."""
     command = [sys.executable, "-m", "ortq.pool.measure", str(model_path), str(threads or 0), str(max_batch)]
+    command += [custom_ops] if custom_ops is not None else []
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired:
@@ -95,19 +98,22 @@ def measure_session(model_path: Path, threads: int | None, max_batch: int) -> Se
     return SessionFootprint(int(result["baseline"]), max(0, int(result["after"]) - int(result["baseline"])))
 
 
-def _main(model: str, threads: int, max_batch: int) -> dict[str, object]:
+def _main(model: str, threads: int, max_batch: int, custom_ops: str | None) -> dict[str, object]:
     import numpy as np
 
     from ortq.errors import OrtqError
     from ortq.worker import serve  # noqa: F401  (the modules a worker has loaded: part of the baseline)
+    from ortq.worker.custom_ops import library_path
     from ortq.worker.runtime import import_onnxruntime
     from ortq.worker.session import SessionPlan, load_model, warmup_inputs
 
     try:
         import_onnxruntime("cpu")
         baseline = resident_bytes()
-        loaded = load_model(Path(model), SessionPlan("cpu", None, threads or None, allow_cpu_fallback=False))
-        inputs = warmup_inputs(loaded.signature)
+        library = None if custom_ops is None else library_path(custom_ops)
+        plan = SessionPlan("cpu", None, threads or None, allow_cpu_fallback=False, custom_ops=library)
+        loaded = load_model(Path(model), plan)
+        inputs = warmup_inputs(loaded.signature, encoded=loaded.encoded_inputs)
         if max_batch > 1:  # the worker's batches are concatenated on dim 0, so its activations grow with them
             inputs = {name: np.repeat(value, max_batch, axis=0) for name, value in inputs.items()}
         loaded.run(inputs)
@@ -122,4 +128,5 @@ def _main(model: str, threads: int, max_batch: int) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))), flush=True)
+    custom_ops = sys.argv[4] if len(sys.argv) > 4 else None
+    print(json.dumps(_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), custom_ops)), flush=True)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortq.errors import AdapterNotFound, ConfigurationError
-from ortq.pool.config import RESERVED_ENV, Env, ModelConfig, PoolConfig, WorkerGroup
+from ortq.pool.config import RESERVED_ENV, ModelConfig, PoolConfig, WorkerGroup, group_provider_options
 from ortq.pool.devices import PluginDevices, candidates, choose
 from ortq.pool.measure import SessionFootprint, measure_session
+from ortq.pool.tomltable import Env
 from ortq.settings import redacted_url
 from ortq.shards import ShardMap
 from ortq.worker.adapters import Adapter
@@ -47,7 +48,8 @@ _DEVICE = {"cpu": "process", "cuda": "CUDA context", "dml": "D3D12 device", "web
 #: Above this share of an adapter's memory the plan warns; above 1.0 it refuses (unless --force).
 WARN_FRACTION = 0.8
 
-Measure = Callable[[Path, int | None, int], SessionFootprint | str]
+#: (model file, threads, max_batch, custom_ops) -> its CPU session's footprint, or why not measured.
+Measure = Callable[[Path, int | None, int, str | None], SessionFootprint | str]
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ def estimate(model: ModelConfig, footprint: SessionFootprint | None) -> Estimate
 def _footprint(model: ModelConfig, config: PoolConfig, measure: Measure, notes: list[str]) -> SessionFootprint | None:
     if not config.measure_memory or model.memory_per_worker_bytes is not None:
         return None
-    result = measure(model.path, model.threads, model.max_batch)
+    result = measure(model.path, model.threads, model.max_batch, model.custom_ops)
     if isinstance(result, SessionFootprint):
         return result
     if model.provider == "cpu":  # the worker would fail the same way
@@ -255,13 +257,13 @@ def make_plan(
     # The enumeration's notes matter only where a provider had no adapters: resolve() then says them.
     found_notes: list[str] = []
     placements: list[Placement] = []
-    cache: dict[tuple[Path, int | None, int], SessionFootprint | None] = {}
+    cache: dict[tuple[Path, int | None, int, str | None], SessionFootprint | None] = {}
     for model in config.models:
         if not model.path.is_file():
             raise ConfigurationError(f"{config.source}: [[model]] {model.name!r}: path {model.path} is not a file")
         mine = candidates(model, adapters, plugins or {})
         resolved = [resolve(config, model, n, mine, notes) for n in range(1, len(model.groups) + 1)]
-        key = (model.path, model.threads, model.max_batch)
+        key = (model.path, model.threads, model.max_batch, model.custom_ops)
         if key not in cache:
             cache[key] = _footprint(model, config, measure, found_notes)
         cost = estimate(model, cache[key])
@@ -302,6 +304,9 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
         options += ["--stall-seconds", f"{m.stall_seconds:g}"] if m.stall_seconds is not None else []
         options += ["--job-timeout", f"{m.job_timeout:g}"] if m.job_timeout is not None else []
         options += ["--model-version", m.version] if m.version is not None else []
+        options += ["--custom-ops", m.custom_ops] if m.custom_ops is not None else []
+        for key, value in group_provider_options(m, p.group):
+            options += ["--provider-option", f"{key}={value}"]
         flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
         options += [flag for flag, on in flags.items() if on]
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.

@@ -1,7 +1,7 @@
 """``ortq.AsyncProducer``: ``ortq.Producer`` for asyncio services (FastAPI, aiohttp), on ``redis.asyncio``.
 
-The same methods, options, checks and errors as ``Producer`` (the protocol is shared: ``checks``,
-``enqueue``, ``faults``), awaited instead of blocking. Connections are shared by every coroutine:
+The same methods, options, checks and errors as ``Producer`` (what both send and check is shared
+as I/O-free steps: ``steps``), awaited instead of blocking. Connections are shared by every coroutine:
 commands go through one pool of at most ``max_connections``, and waiting for results through one
 reader task (``replies.ReplyReader``) whose XREADs cover the reply streams of all awaited jobs at
 once, on at most ``max_reads`` more connections. One producer belongs to one event loop.
@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack
 
 import numpy as np
 import redis
@@ -24,17 +23,18 @@ import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ortq import keys, sentinel, tracing, wire
-from ortq.control import MAX_WORKERS
-from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
-from ortq.producer import checks, enqueue, faults
-from ortq.producer.enqueue import JobOptions, SubmitOptions, add_enqueue
+from ortq import keys, redisfaults, sentinel, tracing, wire
+from ortq.errors import ConfigurationError, ResultTimeout
+from ortq.producer import cancelling, checks, enqueue, lookups, submitting
+from ortq.producer.enqueue import SubmitOptions
 from ortq.producer.replies import ReplyReader
 from ortq.producer.routes import Routes
+from ortq.producer.steps import Command, Request, Round, Stepper, Steps
 from ortq.settings import Settings, redacted_url
 from ortq.signature import ModelSignature
 
 log = logging.getLogger("ortq")
+T = TypeVar("T")
 
 
 class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
@@ -43,13 +43,7 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     async def status(self) -> str:
         """RQ's status of the job (queued, started, finished, failed, canceled, ...); JobNotFound
         when Redis has no record of it (never enqueued, or expired)."""
-        key = keys.job_key(self.id)
-        try:
-            raw = await self.producer.connection_for(self.model).hget(key, "status")
-        except redis.RedisError as exc:
-            doing = f"could not read the status of job {self.id}"
-            raise faults.failure(exc, doing, f"the record of job {self.id} ({key}) is no job hash") from exc
-        return enqueue.status_of(raw, self.id)
+        return await self.producer._run(self.model, lookups.job_status(self.id))
 
     async def result(self, timeout: float = 30.0) -> dict[str, np.ndarray]:
         """The job's outputs, once its response arrives (at most ``timeout`` seconds): read-only views
@@ -140,7 +134,7 @@ class AsyncProducer:
         reader = ReplyReader(
             reader_client,
             max_bytes=self.settings.max_frame_bytes,
-            block=faults.block_seconds(self.settings, self.settings.socket_timeout),
+            block=redisfaults.block_seconds(self.settings, self.settings.socket_timeout),
             reads=self._max_reads,
         )
         return _Redis(connection, reader, owned)
@@ -174,7 +168,7 @@ class AsyncProducer:
         try:
             await self.connection.ping()
         except redis.RedisError as exc:
-            raise faults.failure(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
+            raise redisfaults.failure(exc, f"cannot reach Redis at {redacted_url(self.settings.redis_url)}") from exc
 
     async def aclose(self) -> None:
         """Stop waiting (whoever still waits gets BrokerUnavailable) and close the connections."""
@@ -197,58 +191,15 @@ class AsyncProducer:
     async def signature(self, model: str, version: str | None = None) -> ModelSignature | None:
         """The signature the model's workers published (of ``version``; None: the current one, that
         of the worker that started last), or None if none has (yet)."""
-        keys.check_model_name(model)
-        key = keys.signature_key(model, None if version is None else keys.check_version_name(version))
-        cached = self._signatures.get(key, time.monotonic())
-        if cached is not None:
-            return cached
-        try:
-            raw = await self.connection_for(model).get(key)
-        except redis.RedisError as exc:
-            doing = f"could not read the signature of {model!r}"
-            raise faults.failure(exc, doing, f"the published signature of {model!r} ({key}) is no string") from exc
-        signature = checks.parse_signature(raw, model)
-        self._signatures.put(key, signature, time.monotonic())
-        return signature
-
-    async def _checked_model(self, model: str, version: str | None = None) -> ModelSignature | None:
-        keys.check_model_name(model)
-        if self.allow_unknown_models and not self.validate:
-            return None
-        signature = await self.signature(model, version)
-        if signature is None and not self.allow_unknown_models:
-            shard = None if self._routes is None else self._routes.where(model)
-            records = await self._live_records(self.connection_for(model))
-            raise checks.unknown_model(model, records, shard, version)
-        return signature if self.validate else None
-
-    async def _live_records(self, connection: redis.asyncio.Redis) -> list[dict[str, Any]]:
-        """Every live worker's record on that Redis (hostile input: what cannot be read is skipped)."""
-        try:
-            raw_names = await connection.srandmember(keys.WORKERS_SET, MAX_WORKERS)
-            names = checks.worker_names(raw_names or [])
-            raws = await connection.mget([keys.worker_key(n) for n in names]) if names else []
-        except redis.RedisError as exc:
-            if faults.is_wrong_type(exc):  # not written by ortq: no worker to be found there
-                return []
-            raise faults.failure(exc, "could not read the worker records") from exc
-        return checks.live_records(raws)
+        return await self._run(model, lookups.signature(self._signatures, model, version))
 
     async def workers(self, model: str) -> list[dict[str, Any]]:
         """The published records of the live workers serving ``model`` (on its Redis)."""
-        records = await self._live_records(self.connection_for(model))
-        return [record for record in records if record.get("model") == model]
+        return await self._run(model, lookups.workers(model))
 
     async def wait_for_workers(self, model: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Wait until ``count`` workers serve ``model`` (they publish after warm-up); returns their records."""
-        deadline = time.monotonic() + checks.wait_timeout(timeout)
-        while True:
-            found = await self.workers(model)
-            if len(found) >= count:
-                return found
-            if time.monotonic() > deadline:
-                raise ResultTimeout(f"{len(found)} of {count} workers for model {model!r} after {timeout:g} s")
-            await asyncio.sleep(0.1)
+        return await self._run(model, lookups.wait_for_workers(model, count, timeout))
 
     def job(self, job_id: str, model: str) -> AsyncInferenceJob:
         """A handle on a job submitted earlier (by any producer)."""
@@ -306,85 +257,10 @@ class AsyncProducer:
             self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
             priority=priority, version=version,
         )  # fmt: skip
-        signature = await self._checked_model(model, version)
-        many = list(many_inputs)
-        nonces = [enqueue.new_nonce() for _ in many]
-        size = self.settings.max_frame_bytes
-        frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
-        chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
-        if not frames:
-            return []
-        connection = self.connection_for(model)
-        if self.settings.max_queue_length:
-            try:
-                queued = await connection.llen(keys.queue_key(model))
-            except redis.RedisError as exc:
-                wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
-                raise faults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
-            checks.check_room(model, queued, len(frames), self.settings.max_queue_length)
-        try:
-            if chosen is not None:
-                return await self._enqueue_chosen(connection, model, frames, options, chosen, nonces, signature, unique)
-            ids = await self._enqueue(connection, model, frames, options)
-        except redis.RedisError as exc:
-            error = faults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
-            if isinstance(error, BrokerUnavailable):
-                error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
-            raise error from exc
-        digest = None if signature is None else signature.digest
-        return [AsyncInferenceJob(self, i, model, nonce, digest, version) for i, nonce in zip(ids, nonces, strict=True)]
-
-    async def _enqueue_chosen(
-        self,
-        connection: Any,
-        model: str,
-        frames: list[bytes],
-        options: JobOptions,
-        ids: list[str],
-        nonces: list[bytes],
-        signature: ModelSignature | None,
-        unique: bool,
-    ) -> list[AsyncInferenceJob]:
-        """Enqueue each job under the id chosen for it unless a job of that id exists (never
-        overwritten): by FCALL, or EVAL where this Redis lacks the function; see ``submit``."""
-        calls = enqueue.FunctionCalls(
-            len(ids),
-            lambda pipe, i, by_eval: enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval),
-        )
-        await self._call_functions(connection, calls)
-        digest = None if signature is None else signature.digest
+        check = lookups.ModelCheck(self._signatures, self.validate, self.allow_unknown_models, self._routes)
         make = functools.partial(AsyncInferenceJob, self)
-        return enqueue.chosen_handles(make, model, ids, nonces, calls.results, unique, digest, options.version)
-
-    async def _enqueue(
-        self, connection: redis.asyncio.Redis, model: str, frames: list[bytes], options: JobOptions
-    ) -> list[str]:
-        """``Producer._enqueue``, awaited: one MULTI, EVAL where FCALL found no function, and what
-        Redis refused removed again and reported."""
-        try:
-            async with connection.pipeline(transaction=True) as pipe:
-                ids = [add_enqueue(pipe, model, frame, options) for frame in frames]
-                results = await pipe.execute(raise_on_error=False)
-        except redis.ResponseError as exc:
-            if not enqueue.is_refused_fcall(exc, options):
-                raise
-            async with connection.pipeline(transaction=True) as pipe:
-                ids = [add_enqueue(pipe, model, frame, options, by_eval=True) for frame in frames]
-                results = await pipe.execute(raise_on_error=False)
-        by_eval, broken = enqueue.split_failures(results, ids)
-        if by_eval:
-            async with connection.pipeline(transaction=False) as pipe:
-                for job_id in by_eval:
-                    enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
-                again = await pipe.execute(raise_on_error=False)
-            broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
-        if broken:
-            async with connection.pipeline(transaction=True) as pipe:
-                for job_id, _ in broken:
-                    pipe.delete(keys.request_key(model, job_id), keys.job_key(job_id))
-                await pipe.execute(raise_on_error=False)
-            raise enqueue.enqueue_failure(model, broken, len(ids))
-        return ids
+        steps = submitting.submit_many(self.settings, check, make, model, many_inputs, options, job_ids, unique)
+        return await self._run(model, steps)
 
     async def infer(
         self, model: str, inputs: Mapping[str, Any], timeout: float = 30.0, **options: Unpack[SubmitOptions]
@@ -468,32 +344,27 @@ class AsyncProducer:
 
     async def cancel(self, job_id: str, model: str) -> bool:
         """Remove a queued job, or stop a started one (see AsyncInferenceJob.cancel)."""
-        connection = self.connection_for(model)
-        try:
-            if not await connection.lrem(keys.queue_key(model), 0, job_id):
-                return await self._request_stop(connection, job_id, model)
-            async with connection.pipeline(transaction=True) as pipe:
-                enqueue.add_cancel(pipe, job_id, model)
-                await pipe.execute(raise_on_error=False)  # a job hash that is no hash: it is off the queue anyway
-        except redis.RedisError as exc:
-            wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
-            raise faults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
-        return True
+        return await self._run(model, cancelling.cancel(job_id, model))
 
-    async def _request_stop(self, connection: Any, job_id: str, model: str) -> bool:
-        """Mark a started job for its worker to stop (ortq.worker.stops)."""
-        calls = enqueue.FunctionCalls(
-            1, lambda pipe, i, by_eval: enqueue.add_request_stop(pipe, job_id, model, by_eval)
-        )
-        await self._call_functions(connection, calls)
-        [reply] = calls.results
-        if isinstance(reply, Exception):
-            raise reply
-        return bool(reply)
+    async def _run(self, model: str, steps: Steps[T]) -> T:
+        """Send what ``steps`` ask for to ``model``'s Redis (its client looked up at each send: never
+        before the steps' first checks, as a model's name) and hand each reply back, or the exception
+        sending raised (what it means is the steps' to say), until they return."""
+        stepper = Stepper(steps)
+        while (request := stepper.next()) is not None:
+            try:
+                stepper.reply(await _send(self.connection_for(model), request))
+            except Exception as exc:
+                stepper.fail(exc)
+        return stepper.result
 
-    async def _call_functions(self, connection: Any, calls: enqueue.FunctionCalls) -> None:
-        """Send ``calls`` (by FCALL, then by EVAL where this Redis lacks the function)."""
-        while calls.todo:
-            async with connection.pipeline(transaction=False) as pipe:
-                calls.queue(pipe)
-                calls.take(await pipe.execute(raise_on_error=False))
+
+async def _send(connection: redis.asyncio.Redis, request: Request) -> Any:
+    if isinstance(request, Command):
+        return await getattr(connection, request.name)(*request.args, **request.kwargs)
+    if isinstance(request, Round):
+        async with connection.pipeline(transaction=request.transaction) as pipe:
+            request.queue(pipe)
+            return await pipe.execute(raise_on_error=False)
+    await asyncio.sleep(request.seconds)
+    return None

@@ -1,5 +1,7 @@
-"""The Redis commands that enqueue, wait for, and cancel ortq jobs, exactly as docs/wire-format.md
-lists them, with no I/O of their own: ``Producer`` and ``AsyncProducer`` send them.
+"""The Redis commands that enqueue and cancel ortq jobs, exactly as docs/wire-format.md lists
+them, and what their replies mean, with no I/O of their own (the steps of ``submitting`` and
+``cancelling`` queue them; ``Producer`` and ``AsyncProducer`` send them); job handles, and what
+a response means for one (``responses`` reads it).
 
 A producer writes RQ's job hash and queue entry itself (rather than through
 ``rq.Queue.enqueue``), so that what ortq sends is small, fixed and documented, and so that
@@ -17,7 +19,7 @@ from uuid import uuid4
 
 import redis
 
-from ortq import keys, wire
+from ortq import keys, redisfaults, redisfunctions, wire
 from ortq.errors import (
     ConfigurationError,
     CorruptRecord,
@@ -25,11 +27,8 @@ from ortq.errors import (
     JobExists,
     JobNotFound,
     OrtqError,
-    ResponseMismatch,
     VersionMismatch,
-    WireFormatError,
 )
-from ortq.producer import faults, priority
 from ortq.rqcompat import layout
 from ortq.serializer import MsgpackSerializer
 from ortq.settings import frame_argument
@@ -162,7 +161,7 @@ def add_enqueue(
     if options.priority == "high" and by_eval:
         add_enqueue_high_by_eval(pipe, model, job_id, options)
     elif options.priority == "high":
-        pipe.fcall(priority.FUNCTION, 2, keys.queue_key(model), keys.last_high_key(model), job_id, wait)
+        pipe.fcall(redisfunctions.FUNCTION, 2, keys.queue_key(model), keys.last_high_key(model), job_id, wait)
     else:
         pipe.rpush(keys.queue_key(model), job_id)
     return job_id
@@ -208,8 +207,8 @@ def enqueue_failure(model: str, broken: list[tuple[str, Exception]], total: int)
     """The error for an enqueue some of whose jobs Redis refused (what went in of them was deleted)."""
     exc = broken[0][1]
     doing = f"could not enqueue {len(broken)} of {total} job(s) for {model!r} (nothing of them was left in Redis)"
-    if isinstance(exc, redis.RedisError) and not faults.is_wrong_type(exc):
-        return faults.failure(exc, doing)
+    if isinstance(exc, redis.RedisError) and not redisfaults.is_wrong_type(exc):
+        return redisfaults.failure(exc, doing)
     return CorruptRecord(f"{doing}: {exc}; a key of this model's queue holds something ortq did not write")
 
 
@@ -229,14 +228,16 @@ def is_missing_function(exc: Exception) -> bool:
 
 def add_enqueue_high_by_eval(pipe: Any, model: str, job_id: str, options: JobOptions) -> None:
     """The fallback of the FCALL: the same code by EVAL (needs the ACL's +eval)."""
-    pipe.eval(priority.script_source(), 2, keys.queue_key(model), keys.last_high_key(model), job_id, options.wait_ttl)
+    pipe.eval(
+        redisfunctions.script_source(), 2, keys.queue_key(model), keys.last_high_key(model), job_id, options.wait_ttl
+    )
 
 
 def add_enqueue_unique(
     pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str, by_eval: bool = False
 ) -> None:
     """Queue the enqueue of one job under the id its producer chose, unless a job of that id exists
-    (priority.UNIQUE_FUNCTION, enqueue_unique.lua): its reply is 1 (enqueued), 0 (this model's job
+    (redisfunctions.UNIQUE_FUNCTION, enqueue_unique.lua): its reply is 1 (enqueued), 0 (this model's job
     of that id exists) or -1 (another model's, or no job hash). ``by_eval``: by EVAL, not FCALL."""
     wait = options.wait_ttl
     fields = job_hash(model, options, layout.utcformat(layout.utcnow()))
@@ -245,9 +246,9 @@ def add_enqueue_unique(
     args += [keys.request_key(model, job_id), keys.reply_key(model, job_id), keys.RQ_QUEUES_SET]
     args += [part for pair in fields.items() for part in pair]
     if by_eval:
-        pipe.eval(priority.unique_script_source(), len(names), *names, *args)
+        pipe.eval(redisfunctions.unique_script_source(), len(names), *names, *args)
     else:
-        pipe.fcall(priority.UNIQUE_FUNCTION, len(names), *names, *args)
+        pipe.fcall(redisfunctions.UNIQUE_FUNCTION, len(names), *names, *args)
 
 
 def check_job_ids(job_ids: Iterable[object], count: int) -> list[str]:
@@ -272,8 +273,8 @@ def unique_outcome(model: str, ids: list[str], results: list[Any], unique: bool)
     refused (None: it is not): an id of another model's job, or one that exists without ``unique``."""
     for job_id, reply in zip(ids, results, strict=True):
         if isinstance(reply, Exception):
-            if isinstance(reply, redis.RedisError) and not faults.is_wrong_type(reply):
-                raise faults.failure(reply, f"could not enqueue job {job_id} for {model!r}")
+            if isinstance(reply, redis.RedisError) and not redisfaults.is_wrong_type(reply):
+                raise redisfaults.failure(reply, f"could not enqueue job {job_id} for {model!r}")
             raise CorruptRecord(f"could not enqueue job {job_id} for {model!r}: {reply}")
     fresh = [reply == 1 for reply in results]
     foreign = [job_id for job_id, reply in zip(ids, results, strict=True) if reply == -1]
@@ -289,13 +290,13 @@ def unique_outcome(model: str, ids: list[str], results: list[Any], unique: bool)
 
 
 def add_request_stop(pipe: Any, job_id: str, model: str, by_eval: bool = False) -> None:
-    """Queue the request to stop a started job (priority.STOP_FUNCTION, request_stop.lua): its
+    """Queue the request to stop a started job (redisfunctions.STOP_FUNCTION, request_stop.lua): its
     reply is 1 when the job was started (its worker stops it within a heartbeat), else 0."""
     args = [keys.queue_name(model), int(layout.utcnow().timestamp())]
     if by_eval:
-        pipe.eval(priority.stop_script_source(), 1, keys.job_key(job_id), *args)
+        pipe.eval(redisfunctions.stop_script_source(), 1, keys.job_key(job_id), *args)
     else:
-        pipe.fcall(priority.STOP_FUNCTION, 1, keys.job_key(job_id), *args)
+        pipe.fcall(redisfunctions.STOP_FUNCTION, 1, keys.job_key(job_id), *args)
 
 
 def chosen_handles(
@@ -321,79 +322,12 @@ def chosen_handles(
     return jobs
 
 
-class FunctionCalls:
-    """Calls of one of ortq's Redis functions, one per item, with no I/O of their own: a producer
-    sends ``queue``'s commands and gives ``take`` their replies while ``todo`` is not empty. They go
-    by FCALL first, and the items whose Redis lacks the function (no worker loaded it yet) again by
-    EVAL of the same code. ``add(pipe, item, by_eval)`` queues one item's call."""
-
-    def __init__(self, count: int, add: Callable[[Any, int, bool], None]) -> None:
-        self.results: list[Any] = [None] * count
-        self.todo = list(range(count))
-        self._add = add
-        self._by_eval = False
-
-    def queue(self, pipe: Any) -> None:
-        for i in self.todo:
-            self._add(pipe, i, self._by_eval)
-
-    def take(self, replies: list[Any]) -> None:
-        for i, reply in zip(self.todo, replies, strict=True):
-            self.results[i] = reply
-        results = self.results
-        missing = [i for i in self.todo if isinstance(results[i], Exception) and is_missing_function(results[i])]
-        self.todo = [] if self._by_eval else missing
-        self._by_eval = True
-
-
 def add_cancel(pipe: Any, job_id: str, model: str) -> None:
     """What cancelling a job that was taken off its queue writes (after a successful LREM), as
     RQ's ``Job.cancel``: status canceled, RQ's canceled registry; and its request frame deleted."""
     pipe.delete(keys.request_key(model, job_id))
     pipe.hset(keys.job_key(job_id), "status", "canceled")
     pipe.zadd(layout.QueueKeys.of(keys.queue_name(model)).canceled, {job_id: int(layout.utcnow().timestamp())})
-
-
-def reply_streams(jobs: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """XREAD's streams argument for waiting on the replies of these (model, job id) from the start."""
-    return {keys.reply_key(model, job_id): "0-0" for model, job_id in jobs}
-
-
-def frames_in(reply: Any) -> dict[str, bytes | CorruptRecord]:
-    """Job id -> its response frame (or why there is none) in an XREAD reply: RESP2's
-    ``[(stream, entries)]`` or RESP3's ``{stream: entries}``. (A reply key ends with its job id,
-    after the last colon: ids have none.)"""
-    found: dict[str, bytes | CorruptRecord] = {}
-    for stream, entries in reply.items() if isinstance(reply, dict) else reply or []:
-        key = keys.as_text(stream)
-        job_id = key.rpartition(":")[2]
-        try:
-            found[job_id] = frame_of(entries, key)
-        except CorruptRecord as exc:
-            found[job_id] = exc
-    return found
-
-
-def read_refusal(exc: redis.RedisError) -> OrtqError | None:
-    """What an XREAD of reply streams that Redis refused means, or None when a key was of the wrong
-    type: then read each key alone (:func:`add_probe`) and :func:`wrong_reply` says which."""
-    if faults.is_wrong_type(exc):
-        return None
-    return faults.failure(exc, "could not read replies")
-
-
-def add_probe(pipe: Any, model: str, job_id: str) -> None:
-    """Read one job's reply stream without blocking: after a refused XREAD of many, to find the key
-    that is no stream (needs nothing but XREAD, which is all a producer may run on reply keys)."""
-    pipe.xread({keys.reply_key(model, job_id): "0-0"}, count=1)
-
-
-def wrong_reply(model: str, job_id: str, probe: Any) -> CorruptRecord | None:
-    """CorruptRecord when the :func:`add_probe` of the job's reply found no stream there."""
-    if not (isinstance(probe, redis.ResponseError) and faults.is_wrong_type(probe)):
-        return None
-    key = keys.reply_key(model, job_id)
-    return CorruptRecord(f"the reply key of job {job_id} ({key}) holds no stream: no ortq worker wrote it")
 
 
 def status_of(raw: bytes | str | None, job_id: str) -> str:
@@ -428,40 +362,3 @@ def check_served(response: wire.Response, job: JobHandle[Any]) -> wire.Response:
             f"{served!r}, whose signature is {signature} (the model changed under a rollout); submit it again"
         )
     return response
-
-
-def frame_of(entries: Any, key: str) -> bytes:
-    """The response frame in the XREAD entries ``[(id, {field: value})]`` of reply stream ``key``."""
-    try:
-        frame = entries[0][1][b"frame"]
-    except (IndexError, KeyError, TypeError) as exc:
-        raise CorruptRecord(f"the reply {key} has no frame") from exc
-    if not isinstance(frame, bytes):
-        raise CorruptRecord(f"the reply {key} is not a byte string")
-    return frame
-
-
-#: The errors a worker answers without having read the request (so with no proof), each in fixed
-#: words of its own: the request was gone, too large or no string to read, or did not decode; the
-#: job record was no hash; the job's worker died (twice taken back). A producer takes such an error
-#: for its job's answer: nothing in it came from whoever replaced or removed the request.
-UNPROVEN_ERRORS = frozenset({"RequestExpired", "PayloadTooLarge", "InvalidJob", "WireFormatError", "WorkerLost"})
-
-
-def read_response(frame: bytes, job_id: str, proof: bytes | None, max_bytes: int) -> wire.Response:
-    """Decode a response frame and check that it answers the request whose proof (JobHandle.proof)
-    is ``proof`` (None: not checked)."""
-    try:
-        response = wire.decode_response(frame, max_bytes=max_bytes)
-    except WireFormatError as exc:
-        raise CorruptRecord(f"the reply of job {job_id} is no valid response frame: {exc}") from exc
-    if proof is None or response.proof == proof:
-        return response
-    if response.proof is None and response.error is not None and response.error.type in UNPROVEN_ERRORS:
-        return response  # the worker could not read the request: it says so, in its own words
-    carries = "no proof" if response.proof is None else "the proof of another request or model"
-    raise ResponseMismatch(
-        f"the response to job {job_id} does not answer this request (it carries {carries}): its request frame "
-        "was replaced, or the job run by a worker of another model, by someone with write access to Redis "
-        "(docs/security.md); or its worker speaks another ortq protocol (upgrade producers and workers together)"
-    )

@@ -34,9 +34,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from ortq import wire
+from ortq import redisfaults, wire
 from ortq.errors import BrokerUnavailable, OrtqError, ResultTimeout
-from ortq.producer import enqueue, faults
+from ortq.producer import responses
 
 log = logging.getLogger("ortq")
 
@@ -74,7 +74,7 @@ class ReplyReader:
         self._reads: dict[asyncio.Task[None], _Read] = {}
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._outage = faults.Outage()
+        self._outage = redisfaults.Outage()
         self._failing = False  # the last read failed for want of Redis, and none went through since
         self._outage_at = -math.inf  # loop time of the last such failure
         self._closed = False
@@ -111,7 +111,7 @@ class ReplyReader:
                 message = late or f"{missing} of {len(job_ids)} jobs had no result within {timeout:g} s"
                 if self._failing or self._outage_at >= started:
                     assert self._outage.last is not None
-                    raise faults.failure(self._outage.last, message)
+                    raise redisfaults.failure(self._outage.last, message)
                 raise ResultTimeout(message)
             return [w.future.result() for w in waiters]
         finally:
@@ -202,10 +202,10 @@ class ReplyReader:
     async def _read(self, models: dict[str, str], read: _Read) -> None:
         """One XREAD of the replies of ``models``' jobs (job id -> its model)."""
         try:
-            streams = enqueue.reply_streams((model, job_id) for job_id, model in models.items())
+            streams = responses.reply_streams((model, job_id) for job_id, model in models.items())
             reply = await self.client.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
         except redis.RedisError as exc:
-            if not faults.is_down(exc):
+            if not redisfaults.is_down(exc):
                 await self._refused(models, exc)
                 return
             self._failing = True
@@ -218,7 +218,7 @@ class ReplyReader:
         self._deliver(reply)
 
     def _deliver(self, reply: Any) -> None:
-        for job_id, frame in enqueue.frames_in(reply).items():
+        for job_id, frame in responses.frames_in(reply).items():
             for waiter in self._waiters.pop(job_id, []):
                 if waiter.future.done():
                     continue
@@ -226,7 +226,7 @@ class ReplyReader:
                     waiter.future.set_exception(type(frame)(str(frame)))
                     continue
                 try:
-                    response = enqueue.read_response(frame, job_id, waiter.proof, self._max_bytes)
+                    response = responses.read_response(frame, job_id, waiter.proof, self._max_bytes)
                 except OrtqError as exc:
                     waiter.future.set_exception(exc)
                 else:
@@ -237,23 +237,23 @@ class ReplyReader:
         (CorruptRecord), replies found are delivered, the other jobs are read again. A refusal of
         the read itself (ACL) fails them all."""
         ids = list(models)
-        refusal = enqueue.read_refusal(exc)
+        refusal = responses.read_refusal(exc)
         if refusal is not None:
             self._fail(ids, refusal)
             return
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for job_id, model in models.items():
-                    enqueue.add_probe(pipe, model, job_id)
+                    responses.add_probe(pipe, model, job_id)
                 probes = await pipe.execute(raise_on_error=False)
         except redis.RedisError as again:
-            self._fail(ids, faults.failure(again, "could not read replies"))
+            self._fail(ids, redisfaults.failure(again, "could not read replies"))
             return
         for job_id, probe in zip(ids, probes, strict=True):
-            if (wrong := enqueue.wrong_reply(models[job_id], job_id, probe)) is not None:
+            if (wrong := responses.wrong_reply(models[job_id], job_id, probe)) is not None:
                 self._fail([job_id], wrong)
             elif isinstance(probe, redis.RedisError):
-                self._fail([job_id], faults.failure(probe, "could not read replies"))
+                self._fail([job_id], redisfaults.failure(probe, "could not read replies"))
             else:
                 self._deliver(probe)
 

@@ -73,7 +73,7 @@ def script_source(name: str) -> str:
 
 
 #: The names of ortq's scripts (lua/<name>.lua), each loaded with common.lua before it.
-SCRIPTS = ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain")
+SCRIPTS = ("start", "finish", "fail", "recover", "reject", "rescue", "retries", "maintain", "executions")
 
 
 def exc_string(text: str) -> str:
@@ -376,6 +376,13 @@ class Book:
         self._call("reject", [self.queue.name, skipped.entry, error, ttl])
 
     # ------------------------------------------------------------------ recovery and upkeep
+
+    def record_executions(self, running: Sequence[StartedJob]) -> int:
+        """RQ's execution records of the jobs this worker holds, written at its heartbeat (see
+        executions.lua: a job that ends before one has none); how many jobs got them."""
+        jobs = [(job.job_id, job.execution_id, repr(job.started_at.timestamp()), job.ttl) for job in running]
+        args = [self.queue.name, self.worker_name, utcnow().timestamp(), msgpack.packb(jobs)]
+        return int(self._call("executions", args))
 
     def recover(
         self, job_id: str, execution_id: str, owner: str, max_recoveries: int, ttl: int, error: bytes, reason: str

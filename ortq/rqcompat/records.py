@@ -91,9 +91,10 @@ class WorkerRecords:
 
     def queue_heartbeat(self, pipe: Any, running: Sequence[StartedJob]) -> BeatPositions:
         """Queue on ``pipe`` RQ's heartbeat of the worker and of each running job (its started
-        registry entry, its ``last_heartbeat``, and with ``executions`` its execution hash and the
-        job's executions), and the worker's place in RQ's sets of workers (no-ops, unless someone
-        removed it); returns where the replies ``after_heartbeat`` reads will be."""
+        registry entry, its ``last_heartbeat``; with ``executions``, its execution records are
+        written beside by ``Book.record_executions``), and the worker's place in RQ's sets of
+        workers (no-ops, unless someone removed it); returns where the replies ``after_heartbeat``
+        reads will be."""
         moment = utcnow()
         stamp = utcformat(moment)
         worker = len(pipe)
@@ -108,12 +109,6 @@ class WorkerRecords:
             pipe.zadd(self.queue.started, {composite: deadline}, xx=True)
             job_hashes.append(len(pipe))
             pipe.hset(layout.job_key(job.job_id), "last_heartbeat", stamp)
-            if self.executions:
-                execution = layout.execution_key(job.job_id, job.execution_id)
-                pipe.hset(execution, "last_heartbeat", moment.timestamp())
-                pipe.expire(execution, job.ttl)
-                pipe.zadd(f"{layout.PREFIX}:executions:{job.job_id}", {job.execution_id: deadline + 60}, xx=True)
-                pipe.expire(f"{layout.PREFIX}:executions:{job.job_id}", job.ttl + 60)
         sets = len(pipe)
         pipe.sadd(layout.workers_key(), self.key)
         pipe.sadd(self.queue.workers, self.key)

@@ -26,8 +26,8 @@ from typing import cast
 import redis
 
 from ortq import keys, wire
+from ortq import redisfaults as faults
 from ortq.errors import InvalidJob, OrtqError, PayloadTooLarge
-from ortq.producer import faults
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Skipped, StartedJob
 from ortq.settings import Settings, redis_message
@@ -37,7 +37,7 @@ log = logging.getLogger("ortq.worker")
 
 #: Request frames of a batch up to this size come back inside the start script's reply (one round
 #: trip fewer); larger ones are read with GETRANGE (ortq.worker.largeframes), outside Lua. Redis 7's
-#: Lua hashes every byte of a string entering it (~1.3 ns a byte; docs/performance.md, fifth pass):
+#: Lua hashes every byte of a string entering it (~1.3 ns a byte; docs/results/performance-history.md, fifth pass):
 #: a smaller size saves Redis that and costs the worker a round trip a batch.
 INLINE_FRAME_BYTES = 64 * 1024
 

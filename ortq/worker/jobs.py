@@ -98,7 +98,7 @@ def check(
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None = None,
     served: wire.Served | None = None,
 ) -> Pending | Failure:
-    """Stage 3: decode and check one job's request for ``model``; its Failure when it is bad.
+    """Stage **check** for one job: decode and check its request for ``model``; its Failure when it is bad.
     ``headers``: the verdicts of the batch's remembered headers so far (filled in here).
 
     The request is read first: its nonce makes the proof (wire.proof_of) that every answer below
@@ -176,7 +176,7 @@ def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -
         return exc
 
 
-def check_all(
+def check_batch(
     taken: list[Taken],
     model: str,
     signature: ModelSignature,
@@ -185,7 +185,7 @@ def check_all(
     batch_wait: float,
     served: wire.Served | None = None,
 ) -> tuple[list[Pending], list[Failure]]:
-    """Stage 3 for a batch: each job checked on its own, the good ones to run, the bad to fail."""
+    """Stage **check** for a batch: each job checked on its own, the good ones to run, the bad to fail."""
     pending: list[Pending] = []
     failures: list[Failure] = []
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] = {}
@@ -232,7 +232,7 @@ def failure(
 
 @dataclass(slots=True)
 class Computed:
-    """A job's outputs from its run, whose answer (stage 6) the replier encodes: off the main
+    """A job's outputs from its run, whose answer the replier encodes (stage **encode**): off the main
     thread, so that it runs while the next ``Run`` holds no GIL. ``layout``: ``wire.layout_of``
     its outputs, looked up once for the jobs of a run with as many rows (their outputs look alike)."""
 
@@ -243,9 +243,9 @@ class Computed:
     ttl: int
     layout: wire.Layout | None
 
-    def answer(self, settings: Settings) -> Finished | Failure:
-        """Its response and RQ's result summary; its Failure when the outputs cannot be encoded
-        (more dimensions than a frame carries, a header past the wire format's limit), which
+    def encode(self, settings: Settings) -> Finished | Failure:
+        """Stage **encode** for one job: its response and RQ's result summary; its Failure when the
+        outputs cannot be encoded (more dimensions than a frame carries, a header past the wire format's limit), which
         fails this job alone."""
         member = self.member
         try:
@@ -269,7 +269,7 @@ def layout_of(outputs: dict[str, np.ndarray]) -> wire.Layout | None:
 
 
 def finished(computed: Computed, rq_result: bool = True) -> Finished:
-    """Stage 6 for one job of a run: its response frame and (``rq_result``) RQ's result summary."""
+    """The **encode** of one job whose run succeeded: its response frame and (``rq_result``) RQ's result summary."""
     member, outputs, layout = computed.member, computed.outputs, computed.layout
     timings = {**member.timings, "run": computed.run}
     t0 = time.perf_counter()

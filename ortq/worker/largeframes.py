@@ -5,7 +5,7 @@ Through redis-py with hiredis a bulk reply is copied three times after the kerne
 redis-py's read buffer, into hiredis's, and into the ``bytes`` object it returns (with the
 hiredis buffer grown by reallocation on the way). A conv-sized job's worker is CPU-bound, and
 reading its frames here took its CPU a job on the H200 down by a fifth to a third
-(docs/performance.md, fifth pass; ``python -m bench.frame_read`` compares the two readers). So
+(docs/results/performance-history.md, fifth pass; ``python -m bench.frame_read`` compares the two readers). So
 frames over the inline size (ortq.worker.intake) are read here: redis-py still owns the
 connection (its pool, AUTH, TLS, timeouts, reconnects) and packs and sends the commands; only the
 replies, which are bulk strings or errors from ``GETRANGE``, are read from its socket by this

@@ -1,12 +1,23 @@
 """The ortq worker: one process, one ONNX Runtime session, one model queue, and its loop.
 
-A job goes through named stages: **take** jobs and **read** their request frames
-(ortq.worker.intake), **check** each job on its own (a bad one fails alone: ortq.worker.jobs),
-**group** compatible jobs, **run** each group as one ``session.run``, **split** the outputs back
-per job, **reply** to every job and **book-keep** RQ's records in the same script call (reply
-first: nobody who has seen the response is told the job still runs). Take, read and check run on
-the feeder thread, reply and book-keep on the replier thread (ortq.worker.overlap), so that Redis
-and the next batch's decoding overlap the run; the main thread alone calls ``session.run``.
+A job goes through eight named stages:
+
+=========  ===========  ==========================================================================
+stage      thread       where
+=========  ===========  ==========================================================================
+take       feeder       ``Intake.take``: BLMOVE, then start.lua starts a batch (RQ's started records)
+read       feeder       its request frames: inline in start.lua's reply, beside it, or in one read
+check      main         ``jobs.check_batch``: each job decoded and checked alone (a bad one fails alone)
+group      main         ``batch.group``: jobs whose inputs can share a run (``--max-batch``)
+run        main         ``Worker._run_group``: one ``session.run`` a group (``LoadedModel.run``)
+split      main         ``batch.split``: the outputs cut back per job
+encode     replier      ``jobs.Computed.encode``: each job's response frame
+answer     replier      ``Replier.answer``: finish.lua writes every reply, then RQ's records
+=========  ===========  ==========================================================================
+
+(reply first: nobody who has seen the response is told the job still runs). The feeder and the
+replier (ortq.worker.overlap) overlap Redis and the next batch's take with the run; the main
+thread alone calls ``session.run``, and answers a batch itself when nothing waits behind it.
 
 Every job the worker holds leaves it exactly once: answered, handed on (put back on the queue by
 this worker) or released to the recovery of orphans, whatever fails on the way; the rule, and which
@@ -42,7 +53,7 @@ from ortq.errors import (
     JobTimeout,
 )
 from ortq.metrics import WorkerMetrics
-from ortq.producer.priority import ensure_functions
+from ortq.redisfunctions import ensure_functions
 from ortq.rqcompat.book import Book, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redacted_url
 from ortq.wire import Layout
@@ -209,6 +220,8 @@ class Worker:
         if (lasted := self.progress.stalled_for()) is not None:
             self._end_stalled(connection, lasted)
         stops = self.presence.heartbeat(connection)
+        if self.settings.rq_executions and (held := self.ledger.jobs()):
+            self._upkeep_on(connection).book.record_executions(held)
         if stops or self.stops.any:  # new requests, or old ones of jobs that may have left: forgotten
             self._stop_jobs(stops)
         self._ready(True)
@@ -284,7 +297,7 @@ class Worker:
             if threads.reply_later(END):
                 replier.thread.join()
             for outcome in threads.unsent_replies():  # a dead replier's: answered here
-                self.replier.deliver(outcome, self.upkeep.book)
+                self.replier.answer(outcome, self.upkeep.book)
         if threads.fatal is not None:
             raise threads.fatal
 
@@ -300,7 +313,7 @@ class Worker:
                 return
             outcome = Outcome([t.started for t in batch.taken])
             try:
-                self._run(batch, outcome)
+                self._check_and_run(batch, outcome)
                 unexpected = 0
             except DeviceLost:
                 # From now on the feeder gives back what it takes; this batch's unanswered jobs stay
@@ -322,14 +335,14 @@ class Worker:
                 # loaded machine a thread's wake-up costs a sequential request ~0.1 ms). A dead
                 # replier's work is done here too.
                 if idle or not self.threads.reply_later(outcome):
-                    self.replier.deliver(outcome, self.upkeep.book)
+                    self.replier.answer(outcome, self.upkeep.book)
 
-    def _run(self, batch: TakenBatch, outcome: Outcome) -> None:
-        """Stages 3-6 for a batch: check each job, group, run, split (and encode each job's answer)."""
+    def _check_and_run(self, batch: TakenBatch, outcome: Outcome) -> None:
+        """Stages **check**, **group**, **run** and **split** for a batch (the replier encodes and answers)."""
         batching = self.max_batch > 1
         if self.tracing is not None:  # docs/tracing.md
             outcome.trace = self.tracing.batch(batch.taken)
-        pending, outcome.failures = jobs.check_all(
+        pending, outcome.failures = jobs.check_batch(
             batch.taken,
             self.identity.model,
             self.model.signature,

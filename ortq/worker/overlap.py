@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ortq import tracing
 from ortq.errors import ConfigurationError
 from ortq.metrics import WorkerMetrics
-from ortq.producer.faults import is_refused
+from ortq.redisfaults import is_refused
 from ortq.rqcompat.acl import refused_command
 from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redis_message
@@ -62,7 +62,7 @@ END = None
 
 @dataclass(slots=True)
 class TakenBatch:
-    """Jobs one take started, with their frames, for the main thread to check (jobs.check_all) and run."""
+    """Jobs one take started, with their frames, for the main thread to check (jobs.check_batch) and run."""
 
     taken: list[Taken]
     batch_wait: float  # seconds the take waited for more jobs after its first (a timing of each job)
@@ -173,7 +173,7 @@ def acl_refusal(exc: Exception) -> ConfigurationError | None:
 
 
 class Feeder:
-    """The take, read and check stages, on a thread of their own."""
+    """Stages **take** and **read**, on a thread of their own (the main thread checks)."""
 
     def __init__(
         self,
@@ -245,7 +245,7 @@ class Feeder:
                 threads.slots.release()
 
     def _take(self) -> list[Taken] | None:
-        """Stages 1-2: take jobs and read their frames (ortq.worker.intake)."""
+        """Stages **take** and **read**: jobs started and their frames read (ortq.worker.intake)."""
         if self.intake.suspended():
             self.presence.set_state(self.connection, "suspended")
             self.threads.stop.wait(1.0)
@@ -290,19 +290,19 @@ class Replier:
     def _run(self) -> None:
         try:
             while (outcome := self.threads.replies.get()) is not END:
-                self.deliver(outcome, self.book)
+                self.answer(outcome, self.book)
         except BaseException as exc:  # a defect: the worker ends, the main thread answers what is left
             log.critical("the replier thread died", exc_info=exc)
             self.threads.replier_dead.set()
             self.threads.fail(exc)
 
-    def deliver(self, outcome: Outcome, book: Book) -> None:
-        """Stages 7-8 for a batch, through ``book`` (the replier's own, or the main thread's when it
-        answers itself). Each of its jobs leaves the worker: answered once its script ran, else
-        released, whatever happens."""
+    def answer(self, outcome: Outcome, book: Book) -> None:
+        """Stages **encode** and **answer** for a batch, through ``book`` (the replier's own, or
+        the main thread's when it answers itself). Each of its jobs leaves the worker: answered once
+        its script ran, else released, whatever happens."""
         answered: list[StartedJob] = []
         try:
-            self._answer(outcome, book, answered)
+            self._encode_and_send(outcome, book, answered)
         except REDIS_DOWN as exc:  # past despite_outage's bound: the other workers take them back
             self.threads.fail(exc)
         except Exception as exc:
@@ -319,12 +319,12 @@ class Replier:
             if outcome.trace is not None:
                 outcome.trace.end()
 
-    def _answer(self, outcome: Outcome, book: Book, answered: list[StartedJob]) -> None:
+    def _encode_and_send(self, outcome: Outcome, book: Book, answered: list[StartedJob]) -> None:
         """Answer ``outcome``'s jobs, adding each to ``answered`` once its script has run."""
         finished: list[Finished] = []
         failures = list(outcome.failures)
-        for computed in outcome.computed:  # stage 6: encoded here, while the main thread runs the next batch
-            answer = computed.answer(self.settings)
+        for computed in outcome.computed:  # encoded here, while the main thread runs the next batch
+            answer = computed.encode(self.settings)
             if isinstance(answer, Finished):
                 finished.append(answer)
             else:

@@ -341,7 +341,7 @@ def add_plugin_provider(ort: Any, options: Any, plan: Any) -> None:
     index = plan.ep_device or 0
     if index >= len(devices):
         raise ProviderUnavailable(f"{plan.ep_name} offers {len(devices)} device(s) now; device {index} is gone")
-    options.add_provider_for_devices([devices[index]], dict(plan.extra_options))
+    options.add_provider_for_devices([devices[index]], plan.provider_options())  # the user's after ortq's own
 
 
 def node_placement(session: Any) -> dict[str, int] | None:

@@ -18,7 +18,7 @@ from ortq import keys
 from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
 from ortq.metrics import WorkerMetrics, open_metrics_port
 from ortq.settings import Settings, redacted_url
-from ortq.worker import plugin_ep
+from ortq.worker import custom_ops, plugin_ep, provider_options
 from ortq.worker.adapters import (
     PREFERENCES,
     enumerate_adapters,
@@ -89,9 +89,18 @@ class WorkerConfig:
     #: The version of the model it serves, which every answer names and producers may pin; None:
     #: the model file's digest (file_version).
     model_version: str | None = None
+    #: A custom-op library to register before the session is made: ``onnxruntime_extensions`` (that
+    #: package's library) or a shared library's path (ortq.worker.custom_ops).
+    custom_ops: str | None = None
+    #: (key, value) options for the execution provider, after ortq's own (ortq.worker.provider_options).
+    provider_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
+        # Checked (and made a tuple) before anything starts: malformed, duplicated, or one ortq sets itself.
+        object.__setattr__(self, "provider_options", provider_options.check(self.provider, self.provider_options))
+        if self.custom_ops is not None and not self.custom_ops.strip():
+            raise ConfigurationError("--custom-ops needs onnxruntime_extensions or the path of a shared library")
         if self.model_version is not None:
             keys.check_version_name(self.model_version)
         if self.device_lost_pattern is not None:
@@ -140,7 +149,16 @@ class WorkerConfig:
 
 def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | None]:
     """The session plan and the resolved adapter's record, from a fresh enumeration."""
-    base = SessionPlan(config.provider, None, config.threads, config.allow_cpu_fallback, policy=config.policy)
+    library = None if config.custom_ops is None else custom_ops.library_path(config.custom_ops)
+    base = SessionPlan(
+        config.provider,
+        None,
+        config.threads,
+        config.allow_cpu_fallback,
+        policy=config.policy,
+        custom_ops=library,
+        user_options=config.provider_options,
+    )
     if config.provider in ("cpu", "auto"):
         return base, None
     if config.provider in PLUGIN_PROVIDERS:
@@ -229,6 +247,11 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
     plan, adapter = resolve_plan(config)
     model: LoadedModel = load_model(config.model_path, plan)
     if config.max_batch > 1:
+        if model.encoded_inputs:  # one file's bytes after another's are no image, nor rows to split
+            raise ConfigurationError(
+                f"--max-batch cannot join jobs whose input {model.encoded_inputs[0]!r} is an encoded image's bytes "
+                "(--custom-ops): run them one job a run (--max-batch 1)"
+            )
         check_batchable(model.signature)
     seconds = warm_up(model)
     log.info(
@@ -255,6 +278,8 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "adapter": adapter,
             "canary": check,
             "nodes": model.placement,
+            "custom_ops": plan.custom_ops,
+            "provider_options": model.provider_options,
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
             "stall_seconds": config.stall_seconds,

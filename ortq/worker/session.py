@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ortq.errors import CanaryMismatch, JobTimeout, ModelLoadError, ProviderUnavailable
+from ortq.errors import ConfigurationError, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
+from ortq.worker import custom_ops, encoded_images, provider_options
+from ortq.worker.canary import compare_with_cpu  # also imported from here by bench/ and tests
 from ortq.worker.deadline import RunDeadline
 from ortq.worker.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
 from ortq.worker.runtime import import_onnxruntime, install_advice, installed_runtimes, platform_refusal
@@ -89,6 +91,10 @@ class SessionPlan:
     ep_device: int | None = None
     config_entries: tuple[tuple[str, str], ...] = ()
     unavailable: str | None = None
+    #: The custom-op library to register (``--custom-ops``, resolved to a path), CPU sessions included.
+    custom_ops: str | None = None
+    #: The user's ``--provider-option`` pairs, passed after ortq's own (ortq.worker.provider_options).
+    user_options: tuple[tuple[str, str], ...] = ()
 
     @property
     def wanted_ep(self) -> str | None:
@@ -96,6 +102,10 @@ class SessionPlan:
         return EXECUTION_PROVIDERS.get(self.provider) or self.ep_name
 
     def provider_options(self) -> dict[str, str]:
+        """ortq's own options, then the user's (a user's option that ortq sets too is refused)."""
+        return provider_options.merged(self._own_options(), self.user_options)
+
+    def _own_options(self) -> dict[str, str]:
         if self.provider in PLUGIN_PROVIDERS:
             return dict(self.extra_options)
         if self.provider in ("cpu", "auto"):
@@ -114,6 +124,8 @@ class SessionPlan:
         if self.threads:
             options.intra_op_num_threads = self.threads
         options.add_session_config_entry(RECORD_ASSIGNMENT, "1")
+        if self.custom_ops is not None:
+            custom_ops.register(options, self.custom_ops)
         if self.provider in PLUGIN_PROVIDERS:
             add_plugin_provider(ort, options, self)
         if self.provider == "auto" or (self.provider in PLUGIN_PROVIDERS and self.ep_name is None):
@@ -129,7 +141,9 @@ class SessionPlan:
         return [(EXECUTION_PROVIDERS[self.provider], self.provider_options())]
 
     def cpu(self) -> SessionPlan:
-        return SessionPlan("cpu", None, self.threads, allow_cpu_fallback=False)
+        """The CPU session of the same model (a fallback, the canary's reference): its custom ops too,
+        not the user's provider options, which were meant for the requested provider."""
+        return SessionPlan("cpu", None, self.threads, allow_cpu_fallback=False, custom_ops=self.custom_ops)
 
 
 @dataclass
@@ -144,6 +158,11 @@ class LoadedModel:
     output_names: list[str]
     #: Nodes each EP took (ONNX Runtime's assignment record); None where it cannot say.
     placement: dict[str, int] | None = None
+    #: The user's provider options as the EP reports them (published in the worker's record).
+    provider_options: dict[str, str] = field(default_factory=dict)
+    #: With a custom-op library loaded: the inputs that carry an encoded image (uint8 vectors), which
+    #: get a PNG to warm up on and whose bytes are checked before each run (ortq.worker.encoded_images).
+    encoded_inputs: tuple[str, ...] = ()
     #: Stops a run past its job's timeout.
     deadline: RunDeadline = field(default_factory=RunDeadline, repr=False, compare=False)
 
@@ -157,6 +176,8 @@ class LoadedModel:
         """``session.run`` with ``options`` (``run_options()``: None, a new one where a timeout needs
         it); with ``timeout``, stopped by ONNX Runtime itself once that many seconds pass
         (``RunOptions.terminate``, set by the worker's one watcher thread: ortq.worker.deadline)."""
+        for name in self.encoded_inputs:  # before the decoder sees bytes that would end the process
+            encoded_images.check_encoded_image(name, inputs[name])
         if timeout is None:
             return self._run(inputs, options)
         options = options if options is not None else self.run_options()
@@ -202,11 +223,15 @@ def signature_of(session: Any) -> ModelSignature:
     )
 
 
-def warmup_inputs(signature: ModelSignature, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs built from the signature alone: dynamic dims become 1, floats random, the rest zero."""
+def warmup_inputs(signature: ModelSignature, seed: int = 0, encoded: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Inputs built from the signature alone: dynamic dims become 1, floats random, the rest zero;
+    the ``encoded`` inputs (LoadedModel.encoded_inputs) get a small PNG, which zeros would fail."""
     rng = np.random.default_rng(seed)
     inputs: dict[str, np.ndarray] = {}
     for spec in signature.inputs:
+        if spec.name in encoded:
+            inputs[spec.name] = encoded_images.warmup_image()
+            continue
         shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in spec.shape)
         dtype = np.dtype(spec.dtype)
         if dtype.kind == "f":
@@ -269,11 +294,19 @@ def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
             providers=plan.providers(),
             enable_fallback=0,  # no silent retry on the CPU, neither at creation nor in run()
         )
+    except ConfigurationError:  # a bad --custom-ops library or --provider-option: no provider would do better
+        raise
     except ProviderUnavailable as exc:
         if plan.provider in ("cpu", "auto"):
             raise
         return None, str(exc)
     except Exception as exc:  # ONNX Runtime raises its own exception types from C++
+        advice = custom_ops.unregistered_op_advice(str(exc), plan.custom_ops)
+        if advice is not None:  # the model's fault on any provider: no CPU fallback would load it either
+            raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {advice}") from exc
+        rejected = provider_options.refused_by_runtime(str(exc), plan.user_options)
+        if rejected is not None:  # the user's option, wrong on any adapter: not a provider to fall back from
+            raise rejected from exc
         if plan.provider == "cpu":
             raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
         if plan.provider in PLUGIN_PROVIDERS:
@@ -328,6 +361,7 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
         model.fell_back_to_cpu = True
         return model
     provider = session.get_providers()[0]
+    taken = provider_options.check_taken(session, provider, plan.user_options)
     placement = node_placement(session)
     if placement and provider != "CPUExecutionProvider" and placement.get("CPUExecutionProvider"):
         log.warning(
@@ -337,20 +371,27 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
             provider,
             placement,
         )
+    signature = signature_of(session)
     return LoadedModel(
         session=session,
-        signature=signature_of(session),
+        signature=signature,
         provider=provider,
         device_id=plan.device_id if provider in ("DmlExecutionProvider", "CUDAExecutionProvider") else None,
         fell_back_to_cpu=False,
         output_names=[o.name for o in session.get_outputs()],
         placement=placement,
+        provider_options=taken,
+        encoded_inputs=_encoded_inputs(signature) if plan.custom_ops is not None else (),
     )
+
+
+def _encoded_inputs(signature: ModelSignature) -> tuple[str, ...]:
+    return tuple(s.name for s in signature.inputs if encoded_images.takes_encoded_bytes(s.dtype, s.shape))
 
 
 def warm_up(model: LoadedModel) -> float:
     """Run the model once on signature-built inputs before taking jobs; returns seconds taken."""
-    inputs = warmup_inputs(model.signature)
+    inputs = warmup_inputs(model.signature, encoded=model.encoded_inputs)
     started = time.perf_counter()
     try:
         model.run(inputs)
@@ -359,56 +400,13 @@ def warm_up(model: LoadedModel) -> float:
     return time.perf_counter() - started
 
 
-def _tolerance(dtype: np.dtype[Any]) -> tuple[float, float] | None:
-    """(rtol, atol relative to the output's scale) for comparing a GPU's output with the CPU's;
-    None for exact comparison. Loose enough for TF32 and fused kernels, tight enough that an
-    all-zero or garbage output fails."""
-    if dtype == np.float16:
-        return 5e-2, 1e-2
-    if dtype == np.float32:
-        return 1e-2, 1e-3
-    if dtype == np.float64:
-        return 1e-6, 1e-8
-    return None
-
-
-def compare_with_cpu(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], provider: str) -> float:
-    """Raise CanaryMismatch unless every output matches the CPU's within its dtype's tolerance;
-    returns the largest absolute difference."""
-    worst = 0.0
-    for name, expected in reference.items():
-        actual = np.asarray(got[name])
-        if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            raise CanaryMismatch(
-                f"output {name!r}: {actual.dtype}{list(actual.shape)} on {provider}, "
-                f"{expected.dtype}{list(expected.shape)} on the CPU"
-            )
-        if expected.size:
-            difference = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-            worst = max(worst, float(np.nanmax(difference)) if not np.isnan(difference).all() else 0.0)
-        tolerance = _tolerance(expected.dtype)
-        if tolerance is None:
-            ok = bool(np.array_equal(actual, expected))
-        else:
-            rtol, atol = tolerance
-            scale = max(1.0, float(np.nanmax(np.abs(expected)))) if expected.size else 1.0
-            ok = bool(np.allclose(actual, expected, rtol=rtol, atol=atol * scale, equal_nan=True))
-        if not ok:
-            raise CanaryMismatch(
-                f"output {name!r} on {provider} differs from the CPU's on the warm-up input "
-                f"(max abs difference {worst:.3g}); refusing to serve wrong answers. "
-                "Check the GPU driver; --skip-canary turns this check off"
-            )
-    return worst
-
-
 def canary(model: LoadedModel, model_path: Path, plan: SessionPlan) -> dict[str, Any]:
     """Run the warm-up input on the chosen provider and on the CPU and compare them (seen: a
     DML session that says DML and returns all zeros). Returns the record published with the
     worker; raises CanaryMismatch."""
     if model.provider == "CPUExecutionProvider":
         return {"passed": True, "skipped": "the model runs on the CPU"}
-    inputs = warmup_inputs(model.signature, seed=1)
+    inputs = warmup_inputs(model.signature, seed=1, encoded=model.encoded_inputs)
     reference = load_model(model_path, plan.cpu()).run(inputs)
     worst = compare_with_cpu(model.run(inputs), reference, model.provider)
     return {"passed": True, "max_abs_diff": worst}

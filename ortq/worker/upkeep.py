@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
 from ortq import wire
-from ortq.producer.priority import ensure_functions
+from ortq.redisfunctions import ensure_functions
 from ortq.rqcompat.book import Book
 from ortq.rqcompat.records import prune_workers
 from ortq.settings import REDIS_DOWN, Settings

@@ -76,7 +76,24 @@ class Ids:
         return {**names, **{job: f"<job{n}>" for n, job in enumerate(self.jobs, 1)}}
 
 
-class ReferenceWorker(SimpleWorker):
+class PromptSimpleWorker(SimpleWorker):
+    """RQ's SimpleWorker, less a wait at its end that is no part of what RQ writes.
+
+    Its teardown sends UNSUBSCRIBE for its command channel, then stops the thread listening there;
+    redis-py 8's ``PubSubWorkerThread.stop()`` joins that thread. A thread that has already read the
+    UNSUBSCRIBE reply when ``stop()`` comes is waiting for a new subscription, for RQ's
+    ``sleep_time`` (60 s): the test waited a minute, whenever the thread won that race (mostly
+    under load, as with pytest-xdist). Its run flag cleared before the UNSUBSCRIBE, it ends at the reply.
+    """
+
+    def unsubscribe(self) -> None:
+        running = getattr(self.pubsub_thread, "_running", None)  # redis-py's PubSubWorkerThread's flag
+        if running is not None:
+            running.clear()
+        super().unsubscribe()  # type: ignore[no-untyped-call]
+
+
+class ReferenceWorker(PromptSimpleWorker):
     """RQ's SimpleWorker, reporting the moments around its birth and death to ``on_stage``."""
 
     on_stage: Callable[[str], None] | None = None

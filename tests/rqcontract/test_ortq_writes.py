@@ -113,6 +113,9 @@ class OrtqSide:
         reply, moment, _ = self.book.start(raw, 0)
         [started], skipped = self.book.parse_start(reply, moment)
         assert not skipped
+        # RQ's execution records come at the worker's first heartbeat after a start, not with it
+        # (ortq/rqcompat/lua/executions.lua; docs/design.md): the contract is the records then.
+        assert self.book.record_executions([started]) == 1
         return started
 
     def beat(self, running: list[StartedJob]) -> None:
@@ -120,6 +123,7 @@ class OrtqSide:
             positions = self.records.queue_heartbeat(pipe, running)
             results = pipe.execute()
         self.records.after_heartbeat(self.connection, results, positions, running)
+        self.book.record_executions(running)
 
     def finish(self, started: StartedJob) -> None:
         summary = {"value": 3, "outputs": {"y": ["float32", [1, 4]]}}

@@ -21,7 +21,7 @@ for j = 1, n do composites[j] = jobs[j][1] .. ':' .. jobs[j][2] end
 local scores = {}
 if n > 0 then scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', wip_key(queue)}, composites), 'ZMSCORE') end
 local function stage_key(j) return ORTQ .. 'stage:' .. composites[j] end
-local live, gone = {}, {}
+local live, gone, ekeys = {}, {}, {}
 if type(scores) == 'table' and not scores.err then
   for j = 1, n do
     -- A staged answer that is gone (deleted by someone) leaves its job started, untouched: its
@@ -30,11 +30,11 @@ if type(scores) == 'table' and not scores.err then
     if scores[j] and type(scores[j]) ~= 'table' and (not staged or kind(stage_key(j)) == 'stream') then
       table.insert(live, j)
       local id = jobs[j][1]
-      -- the reply key emptied (see answer; a staged answer's RENAME replaces it), the request and
-      -- the execution hash deleted: one DEL
+      -- the reply key emptied (see answer; a staged answer's RENAME replaces it) and the request
+      -- deleted: one DEL; the execution hashes: one DEL of their own, below
       if not staged then table.insert(gone, reply_key(queue, id)) end
       table.insert(gone, request_key(queue, id))
-      if EXECUTIONS then table.insert(gone, PREFIX .. ':execution:' .. composites[j]) end
+      if EXECUTIONS then table.insert(ekeys, PREFIX .. ':execution:' .. composites[j]) end
     end
   end
 end
@@ -49,6 +49,10 @@ for j = 1, n do  -- the stages of answers this call does not post (taken back me
   if jobs[j][7] == 1 and not answered[j] then table.insert(gone, stage_key(j)) end
 end
 if #gone > 0 then each_chunk(redis.call, {'DEL'}, gone) end
+-- RQ's execution records exist only for jobs a heartbeat saw running (executions.lua): a batch
+-- that had none (most of short jobs') leaves the jobs' executions and the worker's index alone.
+local recorded = 0
+for i = 1, #ekeys, CHUNK do recorded = recorded + redis.call('DEL', unpack(ekeys, i, math.min(i + CHUNK - 1, #ekeys))) end
 local working, finished, index = 0, {}, {}
 local ended_whole = math.floor(tonumber(ended_at))
 for _, j in ipairs(live) do
@@ -72,13 +76,13 @@ for _, j in ipairs(live) do
   table.insert(finished, ended_whole + ttl)
   table.insert(finished, id)
   table.insert(index, composites[j])
-  if EXECUTIONS then remove('ZREM', PREFIX .. ':executions:' .. id, execution) end
+  if recorded > 0 then remove('ZREM', PREFIX .. ':executions:' .. id, execution) end
 end
 if #live > 0 then
   -- What RQ writes per job, written once for the batch.
   each_chunk(write, {'ZADD', PREFIX .. ':finished:' .. queue}, finished)
   each_chunk(remove, {'ZREM', wip_key(queue)}, index)
-  if RQ3 and EXECUTIONS then each_chunk(remove, {'SREM', worker_key(worker) .. ':executions'}, index) end
+  if RQ3 and recorded > 0 then each_chunk(remove, {'SREM', worker_key(worker) .. ':executions'}, index) end
 end
 worker_done(worker, 'successful_job_count', #live, working, ARGV[7])
 return #live

@@ -1,7 +1,7 @@
 -- Start the job ARGV[12] (already moved to the intermediate list by BLMOVE) and pop and start up
--- to ARGV[10] more from the queue, in order: RQ's "started" records for each (execution, unless
--- EXECUTIONS is off; started registry, worker hash, job hash), as RQ's prepare_execution +
--- prepare_job_execution write them.
+-- to ARGV[10] more from the queue, in order: RQ's "started" records for each (started registry,
+-- worker hash, job hash), as RQ's prepare_execution + prepare_job_execution write them; RQ's
+-- execution records (Settings.rq_executions) follow at the worker's next heartbeat (executions.lua).
 -- With ARGV[12] empty, pop up to ARGV[10] jobs from the queue and start them, no BLMOVE before: a
 -- worker whose last start left a backlog takes the next batch in one round trip.
 -- ARGV: 5 queue name, 6 worker name, 7 now (epoch s), 8 now (RQ's ISO), 9 heartbeat TTL of a job
@@ -29,7 +29,6 @@ local queue = queue_key(queue_name)
 local intermediate = queue .. ':intermediate'
 local wip = wip_key(queue_name)
 local wkey = worker_key(worker)
-local index = wkey .. ':executions'
 -- The job hash fields ortq reads, in book.JOB_FIELDS' order; never HGETALL (a forged hash may have
 -- millions of fields), and each field's size checked first (one may be hundreds of MB).
 local FIELDS = {'status', 'data', 'enqueued_at', 'timeout', 'ttl', 'result_ttl', 'failure_ttl', 'retries_left',
@@ -48,8 +47,7 @@ local started, skipped = {}, {}
 -- The registries every job of this call is added to: checked once here, and written once for all
 -- of them at the end (one call each, not one a job).
 own(wip, 'zset')
-if RQ3 and EXECUTIONS then own(index, 'set') end
-local longest, last_ttl, wip_entries, index_members = 0, 0, {}, {}
+local longest, wip_entries = 0, {}
 
 local function skip(id, why)
   table.insert(skipped, {string.sub(id, 1, 200), why})
@@ -68,6 +66,8 @@ local function park(id, pin)
 end
 
 local first = ARGV[12]
+local reply_prefix, request_prefix = reply_key(queue_name, ''), request_key(queue_name, '')
+local large = false  -- whether the last job's request frame was over ARGV[11]
 
 -- The field values of the job started last (not oversized), and whether `values` equal them in
 -- all but enqueued_at (FIELDS[3]). Lua's strings are interned: each comparison is one pointer's.
@@ -84,24 +84,27 @@ local function start(id, execution)
   if #id > 128 or not string.match(id, '^[%w_%-]+$') then return skip(id, 'id') end
   -- Answered already: its reply stream is there (a key of another type is none of ortq's: the
   -- answer replaces it).
-  if kind(reply_key(queue_name, id)) == 'stream' then return skip(id, 'answered') end
-  local job = job_key(id)
-  local t = kind(job)
-  if t == 'none' then return skip(id, 'gone') end  -- expired while it waited: RQ skips it too
-  if t ~= 'hash' then return skip(id, 'type:' .. t) end
-  local oversized = ''
-  -- A compact hash (listpack or ziplist: what an ortq job's is) reports its exact size, so one
-  -- check covers every field; any other hash has each field read ortq's checked on its own.
+  if kind(reply_prefix .. id) == 'stream' then return skip(id, 'answered') end
+  local job = PREFIX .. ':job:' .. id
+  -- The job's encoding stands for its TYPE on the common path (one call fewer a job): none for no
+  -- key, and a compact one (listpack or ziplist: what an ortq job's hash is) reports its exact
+  -- size, so one check covers every field; the HMGET then says whether it is a hash. Any other
+  -- encoding has its TYPE read, and a hash of it each field ortq reads checked on its own.
   local encoding = redis.call('OBJECT', 'ENCODING', job)
+  if not encoding then return skip(id, 'gone') end  -- expired while it waited: RQ skips it too
+  local oversized = ''
   local compact = (encoding == 'listpack' or encoding == 'ziplist')
   if not (compact and redis.call('MEMORY', 'USAGE', job) <= MAX_FIELD) then
+    local t = kind(job)
+    if t ~= 'hash' then return skip(id, 'type:' .. t) end
     for _, field in ipairs(FIELDS) do
       if redis.call('HSTRLEN', job, field) > MAX_FIELD then oversized = field end
     end
   end
   local values, status, origin = {}, false, false
   if oversized == '' then
-    values = redis.call('HMGET', job, unpack(FIELDS))
+    values = unless_acl(redis.pcall('HMGET', job, unpack(FIELDS)), 'HMGET')
+    if values.err then return skip(id, 'type:' .. kind(job)) end  -- a compact zset or list
     status, origin = values[1], values[ORIGIN]
   else
     if oversized ~= 'status' then status = redis.call('HGET', job, 'status') end
@@ -119,33 +122,28 @@ local function start(id, execution)
   local ttl = default_ttl
   if timeout > 0 then ttl = math.ceil(math.min(timeout, YEAR)) + 60 end
   longest = math.max(longest, ttl)
-  local composite = id .. ':' .. execution
-  if EXECUTIONS then  -- RQ's execution records (Settings.rq_executions)
-    local ekey = PREFIX .. ':execution:' .. composite  -- a fresh random id: no one else's key
-    if RQ3 then
-      redis.call('HSET', ekey, 'id', execution, 'job_id', id, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7],
-                 'worker_name', worker)
-    else
-      redis.call('HSET', ekey, 'id', execution, 'created_at', ARGV[7], 'last_heartbeat', ARGV[7], 'worker_name', worker)
-    end
-    redis.call('EXPIRE', ekey, ttl)
-    local executions = PREFIX .. ':executions:' .. id
-    write('ZADD', executions, math.floor(now) + ttl + 60, execution)
-    redis.call('EXPIRE', executions, ttl + 60)
-  end
+  -- RQ's execution records (Settings.rq_executions) are not written here but at the worker's
+  -- heartbeats, for the jobs it still holds then (executions.lua).
   table.insert(wip_entries, math.floor(now) + ttl)
-  table.insert(wip_entries, composite)
-  if EXECUTIONS then table.insert(index_members, composite) end
-  last_ttl = ttl
+  table.insert(wip_entries, id .. ':' .. execution)
   redis.call('HSET', job, 'last_heartbeat', now_iso, 'status', 'started', 'started_at', now_iso, 'worker_name', worker)
   redis.call('PERSIST', job)
-  local request = request_key(queue_name, id)
-  local size = unless_acl(redis.pcall('STRLEN', request), 'STRLEN')
-  if type(size) == 'table' then size = -2 elseif size == 0 and redis.call('EXISTS', request) == 0 then size = -1 end
+  local request = request_prefix .. id
   -- A small frame comes back here, saving a round trip; ARGV[12]'s (first) is read beside this call,
-  -- and large ones by GETRANGE (a script's reply copies every byte).
-  local frame = false
-  if (first == '' or #started > 0) and size >= 0 and size <= inline then frame = redis.call('GET', request) end
+  -- and large ones by GETRANGE (a script's reply copies every byte). A frame is read at once with
+  -- one GETRANGE of ARGV[11] bytes and one more (more: it is large, and only its size is returned),
+  -- unless the last job's was large: then its size is read first, as for the first job.
+  local frame, size = false, nil
+  if (first == '' or #started > 0) and inline > 0 and not large then
+    local got = unless_acl(redis.pcall('GETRANGE', request, 0, inline), 'GETRANGE')
+    if type(got) == 'table' then size = -2 elseif #got <= inline then size, frame = #got, got end
+  end
+  if size == nil then
+    size = unless_acl(redis.pcall('STRLEN', request), 'STRLEN')
+    if type(size) == 'table' then size = -2 end
+  end
+  if size == 0 and redis.call('EXISTS', request) == 0 then size, frame = -1, false end
+  large = size > inline
   local sent = values
   if oversized == '' then
     if as_previous(values) then sent = {values[3]} end
@@ -179,15 +177,7 @@ if kind(queue) == 'list' then
   end
   left = left + redis.call('LLEN', queue)
 end
-if #wip_entries > 0 then
-  each_chunk(redis.call, {'ZADD', wip}, wip_entries)
-  if #index_members > 0 and RQ3 then
-    each_chunk(redis.call, {'SADD', index}, index_members)
-    -- Execution.create gives it ttl + 60, then the worker heartbeat of prepare_job_execution ttl:
-    -- the last job's, as when each job's start set it.
-    redis.call('EXPIRE', index, last_ttl)
-  end
-end
+if #wip_entries > 0 then each_chunk(redis.call, {'ZADD', wip}, wip_entries) end
 if #started > 0 and kind(wkey) == 'hash' then
   -- The worker hash as RQ leaves it when a job starts (for a batch: its first job).
   redis.call('HSET', wkey, 'state', 'busy', 'last_heartbeat', now_iso)

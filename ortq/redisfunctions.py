@@ -1,8 +1,11 @@
-"""High-priority enqueues: ``enqueue_high.lua``, as a Redis function (``FCALL``) that producers
-call, loaded by every worker, so that producers need no ``EVAL`` right (with it, any producer
-could run arbitrary Lua, and a busy loop blocks the whole server; ``SCRIPT KILL`` cannot stop a
-script that has written). Against a Redis without functions (before 7.0), or before any worker
-has loaded it, producers fall back to ``EVAL`` of the same code where their ACL allows it.
+"""ortq's Redis functions, which producers call (``FCALL``) and every worker loads: high-priority
+enqueues (``enqueue_high.lua``), enqueues under a chosen id and stop requests. As functions,
+producers need no ``EVAL`` right (with it, any producer could run arbitrary Lua, and a busy loop
+blocks the whole server; ``SCRIPT KILL`` cannot stop a script that has written). Against a Redis
+without functions (before 7.0), or before any worker has loaded them, producers fall back to
+``EVAL`` of the same code where their ACL allows it.
+
+The Lua files are the producer's package data (``ortq/producer/*.lua``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ LIBRARY = "ortq_v2"
 FUNCTION = "ortq_enqueue_high_v2"
 
 
+#: Where the Lua lives.
+_LUA = Path(__file__).parent / "producer"
+
+
 @cache
-def _body() -> str:
-    return (Path(__file__).parent / "enqueue_high.lua").read_text()
+def _lua(name: str) -> str:
+    return (_LUA / f"{name}.lua").read_text()
 
 
 @cache
@@ -31,7 +38,7 @@ def library_source() -> str:
     """The library for FUNCTION LOAD."""
     return (
         f"#!lua name={LIBRARY}\n"
-        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
+        f"local function enqueue_high(keys, args)\n{_indented(_lua('enqueue_high'))}\nend\n"
         f"redis.register_function('{FUNCTION}', enqueue_high)\n"
     )
 
@@ -39,7 +46,7 @@ def library_source() -> str:
 @cache
 def script_source() -> str:
     """The same code for EVAL."""
-    return "local keys, args = KEYS, ARGV\n" + _body()
+    return "local keys, args = KEYS, ARGV\n" + _lua("enqueue_high")
 
 
 #: The library of the calls on one job that need to look before they write: an enqueue under a
@@ -48,11 +55,6 @@ def script_source() -> str:
 JOBS_LIBRARY = "ortq_jobs_v1"
 UNIQUE_FUNCTION = "ortq_enqueue_unique_v1"
 STOP_FUNCTION = "ortq_request_stop_v1"
-
-
-@cache
-def _lua(name: str) -> str:
-    return (Path(__file__).parent / f"{name}.lua").read_text()
 
 
 def _indented(body: str) -> str:
@@ -64,7 +66,7 @@ def jobs_library_source() -> str:
     """The jobs library for FUNCTION LOAD."""
     return (
         f"#!lua name={JOBS_LIBRARY}\n"
-        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
+        f"local function enqueue_high(keys, args)\n{_indented(_lua('enqueue_high'))}\nend\n"
         f"local function enqueue_unique(keys, args)\n{_indented(_lua('enqueue_unique'))}\nend\n"
         f"local function request_stop(keys, args)\n{_indented(_lua('request_stop'))}\nend\n"
         f"redis.register_function('{UNIQUE_FUNCTION}', enqueue_unique)\n"
@@ -76,7 +78,7 @@ def jobs_library_source() -> str:
 def unique_script_source() -> str:
     """The unique enqueue for EVAL."""
     return (
-        f"local function enqueue_high(keys, args)\n{_indented(_body())}\nend\n"
+        f"local function enqueue_high(keys, args)\n{_indented(_lua('enqueue_high'))}\nend\n"
         f"local keys, args = KEYS, ARGV\n{_lua('enqueue_unique')}"
     )
 

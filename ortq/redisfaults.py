@@ -1,7 +1,8 @@
-"""What the producers make of a failed Redis call: every redis-py exception becomes an OrtqError,
-worded the same by ``Producer`` and ``AsyncProducer`` (which raise the same redis-py classes).
+"""What a failed Redis call means: every redis-py exception a producer meets becomes an OrtqError,
+worded the same by ``Producer`` and ``AsyncProducer`` (which raise the same redis-py classes); the
+worker asks the same questions of its own errors (a key of the wrong type, a refusal by the ACL).
 
-No I/O here: the producers catch, these helpers name.
+No I/O here: the callers catch, these helpers name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""A submit, as I/O-free steps (``steps``): check the model and every job's inputs, then the
+queue's room, then enqueue them all in one round trip (docs/wire-format.md), falling back to EVAL
+where Redis lacks ortq's functions, and leaving nothing half-enqueued."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+from uuid import uuid4
+
+import redis
+
+from ortq import keys, redisfaults
+from ortq.errors import BrokerUnavailable
+from ortq.producer import checks, enqueue, lookups
+from ortq.producer.enqueue import JobOptions
+from ortq.producer.steps import Command, Round, Steps, function_calls
+from ortq.settings import Settings
+
+H = TypeVar("H")
+
+
+def submit_many(
+    settings: Settings,
+    check: lookups.ModelCheck,
+    make: Callable[..., H],
+    model: str,
+    many_inputs: Iterable[Mapping[str, Any]],
+    options: JobOptions,
+    job_ids: Iterable[str] | None,
+    unique: bool,
+) -> Steps[list[H]]:
+    """Validate every job (model, inputs, ids, queue room), then enqueue them all; returns their
+    handles (``make``: the producer's handle class, bound to it). ``options``: checked already
+    (checks.job_options), before anything else."""
+    signature = yield from lookups.checked_model(check, model, options.version)
+    many = list(many_inputs)
+    nonces = [enqueue.new_nonce() for _ in many]
+    size = settings.max_frame_bytes
+    frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
+    chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
+    if not frames:
+        return []
+    if settings.max_queue_length:
+        # Checked before the MULTI: several producers at once can overshoot by their batches.
+        try:
+            queued = yield Command("llen", keys.queue_key(model))
+        except redis.RedisError as exc:
+            wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+            raise redisfaults.failure(exc, f"could not enqueue for {model!r}", wrong) from exc
+        checks.check_room(model, queued, len(frames), settings.max_queue_length)
+    digest = None if signature is None else signature.digest
+    try:
+        if chosen is not None:
+            results = yield from _enqueue_unique(model, frames, options, chosen)
+            return enqueue.chosen_handles(make, model, chosen, nonces, results, unique, digest, options.version)
+        ids = yield from _enqueue(model, frames, options)
+    except redis.RedisError as exc:
+        error = redisfaults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
+        if isinstance(error, BrokerUnavailable):
+            error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
+        raise error from exc
+    return [make(i, model, nonce, digest, options.version) for i, nonce in zip(ids, nonces, strict=True)]
+
+
+def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list[str]]:
+    """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
+    instead; any other job Redis refused is removed again (its request and hash) and reported,
+    so that nothing is left half-enqueued. Returns the jobs' ids."""
+    ids = _new_ids(frames)
+    try:
+        results = yield Round(lambda pipe: _enqueues(pipe, model, frames, options, ids, False), transaction=True)
+    except redis.ResponseError as exc:
+        if not enqueue.is_refused_fcall(exc, options):
+            raise
+        ids = _new_ids(frames)
+        results = yield Round(lambda pipe: _enqueues(pipe, model, frames, options, ids, True), transaction=True)
+    by_eval, broken = enqueue.split_failures(results, ids)
+    if by_eval:
+        again = yield Round(lambda pipe: _enqueues_high_by_eval(pipe, model, by_eval, options), transaction=False)
+        broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
+    if broken:
+        yield Round(lambda pipe: _deletes(pipe, model, [job_id for job_id, _ in broken]), transaction=True)
+        raise enqueue.enqueue_failure(model, broken, len(ids))
+    return ids
+
+
+def _enqueue_unique(model: str, frames: list[bytes], options: JobOptions, ids: list[str]) -> Steps[list[Any]]:
+    """Each job under the id chosen for it unless a job of that id exists (never overwritten): by
+    FCALL, or EVAL where this Redis lacks the function; the replies of ``enqueue_unique.lua``."""
+    return function_calls(
+        len(ids), lambda pipe, i, by_eval: enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
+    )
+
+
+def _new_ids(frames: list[bytes]) -> list[str]:
+    return [str(uuid4()) for _ in frames]
+
+
+def _enqueues(pipe: Any, model: str, frames: list[bytes], options: JobOptions, ids: list[str], by_eval: bool) -> None:
+    for frame, job_id in zip(frames, ids, strict=True):
+        enqueue.add_enqueue(pipe, model, frame, options, job_id, by_eval)
+
+
+def _enqueues_high_by_eval(pipe: Any, model: str, ids: list[str], options: JobOptions) -> None:
+    for job_id in ids:
+        enqueue.add_enqueue_high_by_eval(pipe, model, job_id, options)
+
+
+def _deletes(pipe: Any, model: str, ids: list[str]) -> None:
+    for job_id in ids:
+        pipe.delete(keys.request_key(model, job_id), keys.job_key(job_id))

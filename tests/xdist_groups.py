@@ -14,7 +14,8 @@ xdist's own ``loadgroup`` puts a test's group into its node id, which pytest 9.2
 change (pytest-dev/pytest-xdist#1386: the marks are silently ignored). So the groups travel beside
 the ids instead: each worker writes them to a file once it has collected (every worker collects
 the same tests), and the scheduler built here for ``--dist loadgroup`` reads them before it hands
-out the first test. Without xdist (``-n 0``, ``-p no:xdist``) none of this runs.
+out the first test. Without xdist (``-n 0``, ``-p no:xdist``) none of this runs; nor with another
+``--dist`` (plain ``pytest -n N`` is ``--dist load``: give it ``--dist loadgroup``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 #   3. in .venv again, against Valkey instead of Redis (every server the tests start is
 #      valkey-server: ORTQ_TEST_SERVER, tests/conftest.py): the `rqcompat` tests of VALKEY_TESTS
 #      below (RQ's contract, the scripts under the ACL, raw clients, end to end, and
-#      tests/test_sentinel.py's failovers under Valkey's own sentinels), ~1.5 min. The whole
+#      tests/test_sentinel.py's failovers under Valkey's own sentinels), ~40 s (~2 min in one process). The whole
 #      rqcompat set, test_reliability.py and test_job_ownership.py pass on Valkey too, ~10 min more on
 #      the 2-core CI VM: ORTQ_TEST_SERVER=valkey-server .venv/bin/python -m pytest FILES runs them.
 #      valkey-server comes from Debian bookworm-backports (scripts/valkey.sh; .ci/run installs it);
@@ -31,7 +31,7 @@ status=0
 
 # Every pass runs its tests in parallel (pytest-xdist): ORTQ_TEST_WORKERS pytest processes, by default two a
 # CPU core up to 8 (most tests wait on worker processes and Redis: on CI's 2-core VM pass 1 took 17 min in one
-# process, 6.5 min in 3, 5 min in 4, and no less in 6 or 8, where the load made tests fail). Each process has
+# process, 6.5 min in 3, 5-6 min in 4, and no less in 6 or 8, where the load made tests fail). Each process has
 # its own redis-server; a test goes to whichever is free, except that tests sharing a module-scoped fixture, and
 # tests/windows, stay on one (tests/xdist_groups.py). ORTQ_TEST_WORKERS=0, or `-n 0` or `-p no:xdist` among
 # the extra arguments, runs a pass in one process, as before (for --pdb and the like).

@@ -191,10 +191,14 @@ def test_rq_dashboard_pages_show_ortq_jobs(scene: Scene) -> None:
 
 
 def test_busy_worker_requeue_and_delete(
-    scene: Scene, workers: WorkerProcesses, model_name: str, models_dir: Path
+    scene: Scene, workers: WorkerProcesses, model_name: str, models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dash, queue = scene.dashboard, keys.queue_name(model_name)
-    workers.serve(onnx_models.slow_model(models_dir / "dashboard-slow.onnx"), model_name, scene.redis_url)
+    # RQ 3 finds a worker's current job in its executions, which a worker writes at its heartbeats
+    # (executions.lua): runs of ~1 s and a beat every 0.5 s, so that one is seen running.
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
+    slow_model = onnx_models.timed_slow_model(models_dir / "dashboard-slow-1s.onnx", 1.0)
+    workers.serve(slow_model, model_name, scene.redis_url)
     [worker] = scene.producer.workers(model_name)
     # Requeue and delete, through the dashboard, a job that failed and a forged one (pickled meta).
     bad = scene.producer.submit(model_name, {"wrong_name": X})

@@ -58,19 +58,23 @@ local function reply_key(queue, id) return ORTQ .. 'reply:' .. model_of(queue) .
 -- The command `head` (its name and any key: {'ZADD', key}) with `items` after it, in calls of at
 -- most CHUNK items: Lua's unpack takes a few thousand values at most, and a batch may be larger.
 -- `call` is redis.call, write or remove; CHUNK is even, so (score, member) pairs stay whole.
--- Returns the replies joined when they are arrays (ZMSCORE), else the last one.
+-- Returns the replies joined when they are arrays (ZMSCORE), summed when they are numbers (DEL's
+-- count), else the last one.
 local CHUNK = 1000
 local function each_chunk(call, head, items)
-  local joined, last = {}, nil
+  local joined, sum, last = {}, 0, nil
   for i = 1, #items, CHUNK do
     local args = {unpack(head)}
     for j = i, math.min(i + CHUNK - 1, #items) do args[#args + 1] = items[j] end
     last = call(unpack(args))
     if type(last) == 'table' and not last.err then
       for _, v in ipairs(last) do joined[#joined + 1] = v end
+    elseif type(last) == 'number' then
+      sum = sum + last
     end
   end
   if type(last) == 'table' and not last.err then return joined end
+  if type(last) == 'number' then return sum end
   return last
 end
 

@@ -20,16 +20,12 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[8])) do
     local composite = id .. ':' .. execution
     local ekey = PREFIX .. ':execution:' .. composite
     own(ekey, 'hash')
-    local new
-    if RQ3 then
-      new = redis.call('HSET', ekey, 'id', execution, 'job_id', id, 'created_at', started, 'last_heartbeat', ARGV[7],
-                       'worker_name', worker)
+    local hset = {'HSET', ekey, 'id', execution, 'created_at', started, 'last_heartbeat', ARGV[7], 'worker_name', worker}
+    if RQ3 then  -- RQ 3's execution names its job, and the worker indexes it
+      hset[#hset + 1], hset[#hset + 2] = 'job_id', id
       redis.call('SADD', index, composite)
-    else
-      new = redis.call('HSET', ekey, 'id', execution, 'created_at', started, 'last_heartbeat', ARGV[7],
-                       'worker_name', worker)
     end
-    if new > 0 then created_ttl = ttl end
+    if redis.call(unpack(hset)) > 0 then created_ttl = ttl end
     redis.call('EXPIRE', ekey, ttl)
     local executions = PREFIX .. ':executions:' .. id
     write('ZADD', executions, math.floor(now) + ttl + 60, execution)

@@ -52,7 +52,7 @@ if #gone > 0 then each_chunk(redis.call, {'DEL'}, gone) end
 -- RQ's execution records exist only for jobs a heartbeat saw running (executions.lua): a batch
 -- that had none (most of short jobs') leaves the jobs' executions and the worker's index alone.
 local recorded = 0
-for i = 1, #ekeys, CHUNK do recorded = recorded + redis.call('DEL', unpack(ekeys, i, math.min(i + CHUNK - 1, #ekeys))) end
+if #ekeys > 0 then recorded = each_chunk(redis.call, {'DEL'}, ekeys) end
 local working, finished, index = 0, {}, {}
 local ended_whole = math.floor(tonumber(ended_at))
 for _, j in ipairs(live) do

@@ -127,16 +127,26 @@ def _drain(submit_all: Callable[[], Callable[[], None]], drain: int) -> float:
 
 
 def measure_ortq(
-    model: Path, inputs: Inputs, url: str, threads: int, requests: int, drain: int, workers: int, max_batch: int
+    model: Path,
+    inputs: Inputs,
+    url: str,
+    threads: int,
+    requests: int,
+    drain: int,
+    workers: int,
+    max_batch: int,
+    wait_replicas: int = 0,
 ) -> Measured:
-    name = f"bench-{model.stem}-{workers}-{max_batch}"
+    """``wait_replicas``: the producer's and the workers' (Settings.wait_replicas; bench/wait_replicas.py)."""
+    name = f"bench-{model.stem}-{workers}-{max_batch}-{wait_replicas}"
     command = [sys.executable, "-m", "ortq", "worker", "--model", str(model), "--name", name,
                "--redis-url", url, "--threads", str(threads), "--max-batch", str(max_batch)]  # fmt: skip
     if max_batch > 1:
         command += ["--max-wait-ms", "1", "--rows-independent"]  # conv and digits: one image per row
-    processes = [subprocess.Popen(command) for _ in range(workers)]
+    env = {**os.environ, "ORTQ_WAIT_REPLICAS": str(wait_replicas)}
+    processes = [subprocess.Popen(command, env=env) for _ in range(workers)]
     try:
-        with Producer(settings=Settings.from_url(url)) as producer:
+        with Producer(settings=Settings.from_url(url, wait_replicas=wait_replicas)) as producer:
             producer.wait_for_workers(name, workers, timeout=60)
             samples = time_each(lambda: producer.infer(name, inputs, timeout=30), requests)
 
@@ -155,6 +165,7 @@ def measure_ortq(
         for process in processes:
             process.wait(20)
     label = "ortq" + (f" b{max_batch}" if max_batch > 1 else "") + (f" x{workers}" if workers > 1 else "")
+    label += f" wait {wait_replicas}" if wait_replicas else ""
     return Measured(label, 1000 * statistics.median(samples), 1000 * percentile(samples, 99), rate)
 
 

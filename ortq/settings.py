@@ -199,6 +199,14 @@ class Settings:
     #: them. ortq's recovery finds a running job's worker in its execution id, so turning them off
     #: (``ORTQ_RQ_EXECUTIONS=0``) loses only those views. The started registry is written either way.
     rq_executions: bool = True
+    #: Replicas that must have each enqueue and each answer before a producer's submit returns and
+    #: a worker counts a job answered (Redis's WAIT: ortq/replication.py). 0, the default: none,
+    #: and a failover can lose the last writes its old primary acknowledged (docs/ha.md). A submit
+    #: whose jobs are not confirmed in time raises BrokerUnavailable (they may be enqueued); a
+    #: worker sends such an answer again (fenced: it is written once) until it is confirmed.
+    wait_replicas: int = 0
+    #: Milliseconds each WAIT for ``wait_replicas`` may take.
+    wait_replicas_ms: int = 1000
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each
     #: takes its model's URL as its ``redis_url``). Empty: every model on ``redis_url``. Left out of
@@ -215,6 +223,11 @@ class Settings:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_seconds <= 0:
             raise ConfigurationError(f"heartbeat_seconds must be positive, got {self.heartbeat_seconds}")
+        if self.wait_replicas < 0 or self.wait_replicas_ms <= 0:
+            raise ConfigurationError(
+                f"wait_replicas must be >= 0 and wait_replicas_ms positive, got {self.wait_replicas}"
+                f" and {self.wait_replicas_ms}"
+            )
         if self.max_queue_length < 0:
             raise ConfigurationError(f"max_queue_length must be >= 0, got {self.max_queue_length}")
         if self.redis_shards:

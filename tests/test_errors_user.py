@@ -437,7 +437,14 @@ def test_a_refusal_after_the_ping_is_one_line(
     port = str(urlsplit(redis_url).port)
     with LocalRedis(extra_args=("--replicaof", "127.0.0.1", port)) as replica:
         client = redis.Redis.from_url(replica.url)
-        eventually(lambda: client.exists(keys.signature_key(model_name)) == 1, timeout=30)
+
+        def synced() -> bool:
+            try:
+                return bool(client.exists(keys.signature_key(model_name)) == 1)
+            except redis.BusyLoadingError:  # still loading the primary's copy: not yet
+                return False
+
+        eventually(synced, timeout=30)
         client.close()
         done = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", replica.url)
     assert done.returncode == 2, done.stderr

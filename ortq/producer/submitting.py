@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import redis
 
-from ortq import keys, redisfaults
+from ortq import keys, redisfaults, replication
 from ortq.errors import BrokerUnavailable
 from ortq.producer import checks, enqueue, lookups
 from ortq.producer.enqueue import JobOptions
@@ -53,8 +53,10 @@ def submit_many(
     try:
         if chosen is not None:
             results = yield from _enqueue_unique(model, frames, options, chosen)
+            yield from _confirmed(settings)
             return enqueue.chosen_handles(make, model, chosen, nonces, results, unique, digest, options.version)
         ids = yield from _enqueue(model, frames, options)
+        yield from _confirmed(settings)
     except redis.RedisError as exc:
         error = redisfaults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
         if isinstance(error, BrokerUnavailable):
@@ -83,6 +85,14 @@ def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list
         yield Round(lambda pipe: _deletes(pipe, model, [job_id for job_id, _ in broken]), transaction=True)
         raise enqueue.enqueue_failure(model, broken, len(ids))
     return ids
+
+
+def _confirmed(settings: Settings) -> Steps[None]:
+    """With ``wait_replicas``, wait until that many replicas have the jobs (ortq/replication.py);
+    NotReplicated (a redis.ConnectionError: BrokerUnavailable, maybe enqueued) when they do not."""
+    confirm = replication.Confirm.of(settings)
+    if confirm.replicas:
+        confirm.check((yield Round(confirm.queue, transaction=False)))
 
 
 def _enqueue_unique(model: str, frames: list[bytes], options: JobOptions, ids: list[str]) -> Steps[list[Any]]:

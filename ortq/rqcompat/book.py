@@ -31,6 +31,7 @@ import msgpack
 import redis
 
 from ortq import keys
+from ortq.replication import NO_CONFIRM, Confirm
 from ortq.rqcompat import layout
 from ortq.rqcompat.layout import QueueKeys, utcformat, utcnow
 from ortq.rqcompat.startedscan import StartedScan
@@ -190,11 +191,18 @@ class Book:
         executions: bool = True,
         version: str = "",
         parked_ttl: int = 24 * 3600,
+        confirm: Confirm = NO_CONFIRM,
     ) -> None:
         """``version``: the model version the worker serves, whose parked jobs its starts take
         first, and that jobs pinned to another are parked for ('': none, every job starts);
-        ``parked_ttl``: seconds a parked list lives after its last job came (a request's ttl)."""
+        ``parked_ttl``: seconds a parked list lives after its last job came (a request's ttl);
+        ``confirm``: the replicas each answer must reach (Settings.wait_replicas) before finish
+        and fail return, else they raise NotReplicated (to be sent again: the scripts are fenced)."""
         self.connection = connection
+        self.confirm = confirm
+        #: Executions whose failure fail.lua wrote but no replica confirmed: a second call finds
+        #: them written already, and still reports them answered here.
+        self._unconfirmed: set[str] = set()
         self.version = version
         self.parked_ttl = parked_ttl
         self.worker_name = worker_name
@@ -330,9 +338,10 @@ class Book:
                 pipe.xadd(key, {"frame": frame_argument(job.frame)})
                 pipe.expire(key, job.ttl)
 
-        reply, _ = self._pipelined("finish", [*head, packed, *frames], before=stage)
+        reply, confirmed = self._pipelined("finish", [*head, packed, *frames], before=stage, after=self.confirm.queue)
         if isinstance(reply, Exception):
             raise reply
+        self.confirm.check(confirmed)
         return int(reply)
 
     def fail(
@@ -368,7 +377,16 @@ class Book:
             "" if retry is None else retry.ttl,
             status,
         ]
-        return bool(self._call("fail", args))
+        reply, confirmed = self._pipelined("fail", args, after=self.confirm.queue)
+        if isinstance(reply, Exception):
+            raise reply
+        if reply:
+            self._unconfirmed.add(started.execution_id)
+        self.confirm.check(confirmed)
+        if started.execution_id in self._unconfirmed:
+            self._unconfirmed.discard(started.execution_id)
+            return True
+        return False
 
     def reject(self, skipped: Skipped, error: bytes, ttl: int) -> None:
         """Answer ``error`` to a job id whose job key is no hash (Skipped.answerable), unless it

@@ -54,6 +54,7 @@ from ortq.errors import (
 )
 from ortq.metrics import WorkerMetrics
 from ortq.redisfunctions import ensure_functions
+from ortq.replication import Confirm
 from ortq.rqcompat.book import Book, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redacted_url
 from ortq.wire import Layout
@@ -142,6 +143,7 @@ class Worker:
             executions=self.settings.rq_executions,
             version=self.identity.version,
             parked_ttl=self.settings.request_ttl,
+            confirm=Confirm.of(self.settings),
         )
 
     # ------------------------------------------------------------------ lifecycle

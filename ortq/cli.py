@@ -14,8 +14,9 @@ import redis
 from ortq import __version__
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import EXIT_CONFIGURATION, BrokerUnavailable, OrtqError, exit_status
-from ortq.settings import REDIS_DOWN, Settings, describe_redis_error, redacted_url
-from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
+from ortq.redisurls import redacted_url
+from ortq.settings import REDIS_DOWN, Settings, describe_redis_error
+from ortq.worker import options as worker_options
 
 _REDIS_URL = redis_url_option()
 _SHARDS = shards_option()
@@ -82,223 +83,13 @@ def main(verbose: bool) -> None:
   ortq worker --model jpeg_resnet.onnx --name resnet --custom-ops onnxruntime_extensions
 """
 )
-@click.option(
-    "--model",
-    "model_path",
-    required=True,
-    envvar="ORTQ_MODEL",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The .onnx file to serve [$ORTQ_MODEL].",
-)
-@click.option(
-    "--name", "model_name", required=True, envvar="ORTQ_MODEL_NAME", help="Model name; the queue is ortq:<name>."
-)
-@click.option(
-    "--provider",
-    type=click.Choice(["dml", "cuda", "cpu", "auto", "webgpu", "plugin", "winml"]),
-    default="cpu",
-    envvar="ORTQ_PROVIDER",
-    show_default=True,
-    help="DirectML (Windows only), CUDA (NVIDIA; Linux and Windows), the CPU, ONNX Runtime's choice by "
-    "--policy (onnxruntime >= 1.23), the WebGPU plugin EP (ortq[webgpu]: D3D12 on Windows, Vulkan on Linux), "
-    "any plugin EP (--ep-library), or Windows ML's EPs (ortq[winml]; Windows 11 24H2+).",
-)
-@click.option(
-    "--ep-library",
-    default=None,
-    envvar="ORTQ_EP_LIBRARY",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="--provider plugin: the execution provider's shared library (.so/.dll) to register with ONNX Runtime.",
-)
-@click.option(
-    "--ep-name",
-    default=None,
-    envvar="ORTQ_EP_NAME",
-    metavar="NAME",
-    help="--provider plugin: the EP's ONNX Runtime name (needed when the library has several); "
-    "--provider winml: only this EP of Windows ML's catalog.",
-)
-@click.option(
-    "--adapter",
-    default=None,
-    envvar="ORTQ_ADAPTER",
-    metavar="SPEC",
-    help="Which GPU: an index, luid:..., uuid:..., name:SUBSTRING, discrete, integrated, high-performance "
-    "or minimum-power; for plugin EPs also npu, software, cpu (see `ortq adapters`). Resolved at every start. "
-    "Default: index 0 (plugin EPs: their first non-CPU device; webgpu: high-performance; winml: --policy).",
-)
-@click.option("--device-id", type=click.IntRange(min=0), default=None, help="Same as --adapter N.")
-@click.option(
-    "--policy",
-    type=click.Choice(["prefer-gpu", "max-performance", "max-efficiency", "min-overall-power"]),
-    default="prefer-gpu",
-    show_default=True,
-    help="ONNX Runtime's device-selection policy, for --provider auto (and winml without --adapter).",
-)
-@click.option(
-    "--allow-cpu-fallback",
-    is_flag=True,
-    help="Run on the CPU if the provider cannot start, instead of refusing to start.",
-)
-@click.option(
-    "--skip-canary",
-    is_flag=True,
-    help="Do not compare the provider's warm-up output with the CPU's before serving (unsafe).",
-)
-@click.option(
-    "--threads", type=click.IntRange(min=1), default=None, envvar="ORTQ_THREADS", help="ONNX Runtime intra-op threads."
-)
-@click.option(
-    "--max-batch",
-    type=click.IntRange(min=1),
-    default=1,
-    envvar="ORTQ_MAX_BATCH",
-    show_default=True,
-    help="Run up to N queued jobs as one batch (concatenated on dim 0; needs a dynamic first dim).",
-)
-@click.option(
-    "--max-wait-ms",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    envvar="ORTQ_MAX_WAIT_MS",
-    show_default=True,
-    help="With --max-batch: how long to wait for more jobs after the first.",
-)
-@click.option(
-    "--rows-independent",
-    is_flag=True,
-    envvar="ORTQ_ROWS_INDEPENDENT",
-    help="Declare that each output row depends only on the same input row (needed by --max-batch: "
-    "batching joins the rows of several jobs into one run).",
-)
-@click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
-@click.option(
-    "--worker-name", default=None, envvar="ORTQ_WORKER_NAME", help="Name in Redis (default <model>.<host>.<pid>)."
-)
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=0,
-    envvar="ORTQ_METRICS_PORT",
-    help="Serve Prometheus /metrics, /live and /ready (200 while serving its queue, 503 while starting or "
-    "stopping) on this port; 0: off.",
-)
-@click.option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="ORTQ_METRICS_HOST",
-    help="Address for --metrics-port.",
-)
-@click.option(
-    "--device-lost-pattern",
-    default=None,
-    envvar="ORTQ_DEVICE_LOST_PATTERN",
-    metavar="REGEX",
-    help="Also treat run errors matching REGEX as a lost GPU (requeue the jobs, exit with status 75).",
-)
-@click.option(
-    "--stall-seconds",
-    type=click.FloatRange(min=0),
-    default=DEFAULT_STALL_SECONDS,
-    envvar="ORTQ_STALL_SECONDS",
-    show_default=True,
-    help="A run lasting longer is taken as hung (a GPU driver that never returns): requeue this worker's jobs "
-    "and exit with status 75 for a fresh process. 0: never.",
-)
-@click.option(
-    "--job-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    envvar="ORTQ_JOB_TIMEOUT",
-    metavar="SECONDS",
-    help="Stop a run after SECONDS for jobs that set no timeout of their own (JobTimeout); default: no limit.",
-)
-@click.option(
-    "--model-version",
-    default=None,
-    envvar="ORTQ_MODEL_VERSION",
-    metavar="NAME",
-    help="The version of the model this worker serves, which every answer names and producers may pin "
-    "(docs/operations.md, 'Model versions'); default: the first 12 hex digits of the model file's SHA-256.",
-)
-@click.option(
-    "--custom-ops",
-    default=None,
-    envvar="ORTQ_CUSTOM_OPS",
-    metavar="LIBRARY",
-    help="Register this custom-op library before the session is made: onnxruntime_extensions (that package's "
-    "library, ortq[images]: e.g. its DecodeImage, so that jobs carry JPEG/PNG bytes) or a shared library's path.",
-)
-@click.option(
-    "--provider-option",
-    "provider_option",
-    multiple=True,
-    envvar="ORTQ_PROVIDER_OPTIONS",
-    metavar="KEY=VALUE",
-    help="An option for the execution provider, after ortq's own (repeatable; $ORTQ_PROVIDER_OPTIONS: several, "
-    "space-separated), e.g. use_tf32=0 for CUDA. device_id is refused (use --adapter), and so is an option the "
-    "provider does not report back after the session is made (docs/adapters.md).",
-)
+@worker_options.click_options
 @_REDIS_URL
-def worker(
-    model_path: Path,
-    model_name: str,
-    provider: str,
-    ep_library: Path | None,
-    ep_name: str | None,
-    adapter: str | None,
-    device_id: int | None,
-    policy: str,
-    allow_cpu_fallback: bool,
-    skip_canary: bool,
-    threads: int | None,
-    max_batch: int,
-    max_wait_ms: float,
-    rows_independent: bool,
-    burst: bool,
-    worker_name: str | None,
-    metrics_port: int,
-    metrics_host: str,
-    device_lost_pattern: str | None,
-    stall_seconds: float,
-    job_timeout: float | None,
-    model_version: str | None,
-    custom_ops: str | None,
-    provider_option: tuple[str, ...],
-    redis_url: str | None,
-) -> None:
+def worker(redis_url: str | None, **values: Any) -> None:
     """Serve one model: one process, one ONNX Runtime session, one adapter, one queue."""
-    from ortq.worker import provider_options
     from ortq.worker.serve import WorkerConfig, serve
 
-    if adapter is not None and device_id is not None:
-        raise click.UsageError("give --adapter or --device-id, not both")
-    config = WorkerConfig(
-        model_path=model_path,
-        model_name=model_name,
-        provider=provider,
-        ep_library=None if ep_library is None else str(ep_library),
-        ep_name=ep_name,
-        adapter=str(device_id) if device_id is not None else adapter,
-        policy=policy,
-        allow_cpu_fallback=allow_cpu_fallback,
-        skip_canary=skip_canary,
-        threads=threads,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        rows_independent=rows_independent,
-        burst=burst,
-        worker_name=worker_name,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        device_lost_pattern=device_lost_pattern,
-        stall_seconds=stall_seconds,
-        job_timeout=job_timeout,
-        model_version=model_version,
-        custom_ops=custom_ops,
-        provider_options=tuple(provider_options.parse(text) for text in provider_option),
-    )
+    config = WorkerConfig(**worker_options.from_command_line(values))
     sys.exit(serve(config, _settings(redis_url)))
 
 
@@ -316,7 +107,8 @@ def worker(
 @click.option("--ep-name", default=None, metavar="NAME", help="With --ep-library: only this EP's devices.")
 def adapters(as_json: bool, ep_library: Path | None, ep_name: str | None) -> None:
     """List the adapters a worker could use, with the index each provider takes."""
-    from ortq.worker.adapters import enumerate_adapters, format_table
+    from ortq.devices.adapters import format_table
+    from ortq.devices.enumeration import enumerate_adapters
 
     if ep_name is not None and ep_library is None:
         raise click.UsageError("--ep-name needs --ep-library")

@@ -34,9 +34,10 @@ from ortq import keys
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
 from ortq.info import GONE, collect_shards
+from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
-from ortq.settings import REDIS_DOWN, Settings, redacted_url
+from ortq.settings import REDIS_DOWN, Settings
 from ortq.shards import ShardMap
 
 log = logging.getLogger("ortq.exporter")

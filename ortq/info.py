@@ -17,9 +17,10 @@ import redis
 from ortq import keys, tables
 from ortq.control import worker_records
 from ortq.errors import ConfigurationError, WireFormatError
+from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
-from ortq.settings import Settings, redacted_url
+from ortq.settings import Settings
 from ortq.shards import ShardMap
 from ortq.signature import ModelSignature
 from ortq.worker.upkeep import DEAD_AFTER_BEATS

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping
 
 from ortq import keys
 from ortq.errors import ConfigurationError
+from ortq.redisurls import check_redis_url, check_tls_options, redacted_url
 from ortq.sentinel import is_sentinel_url
-from ortq.settings import check_redis_url, check_tls_options, redacted_url
 
 #: The environment variable producers and the ``ortq`` commands read the map from.
 ENV_VAR = "ORTQ_REDIS_SHARDS"

@@ -244,6 +244,10 @@ class WorkerTracing:
         return BatchTrace(self, taken)
 
 
+#: One job of a batch: the attributes of its spans, and its stage timings (seconds by stage name).
+JobSpans = tuple[dict[str, Any], dict[str, float]]
+
+
 class BatchTrace:
     """What the spans of one batch are made from, gathered on its way through the worker's threads
     (ortq.worker.loop, ortq.worker.overlap) and turned into spans by ``end`` on the replier's."""
@@ -276,29 +280,13 @@ class BatchTrace:
             log.warning("the spans of a batch could not be recorded: %s", type(exc).__name__)
 
     def _emit(self, now_ns: int, now: float) -> None:
-        from ortq.rqjob import JobRecord
-
         owner = self.owner
 
         def at(perf: float) -> int:  # a perf_counter reading as epoch nanoseconds
             return now_ns - round((now - perf) * 1e9)
 
-        timings = {done.started.execution_id: done.timings for done in self.finished}
-        timings.update((failure.started.execution_id, failure.timings) for failure in self.failures)
         start = min((int(t.started.started_at.timestamp() * 1e9) for t in self.taken), default=now_ns)
-        links, ids, jobs = [], [], []
-        for item in self.taken:
-            started = item.started
-            try:
-                retries_left = JobRecord.parse(started.job_id, started.fields).retries_left
-            except Exception:  # a record nobody foresaw: its job is failed elsewhere, by its checks
-                retries_left = -1
-            ids.append(started.job_id)
-            attributes: dict[str, Any] = {"messaging.message.id": started.job_id, "ortq.job.retries_left": retries_left}
-            context = producer_context(item.frame)
-            if context is not None:
-                links.append(Link(context, attributes))
-            jobs.append((attributes, timings.get(started.execution_id, {})))
+        links, ids, jobs = self._jobs()
         failed = {f.started.execution_id: f for f in self.failures}
         span = owner.tracer.start_span(
             "ortq.batch",
@@ -319,29 +307,66 @@ class BatchTrace:
                 "ortq.job.failed": len(failed),
             },
         )
+        self._failure_events(span, failed)
+        parent = trace.set_span_in_context(span, Context())
+        self._decode_spans(parent, jobs, start, at)
+        for began, seconds, run_ids in self.runs:  # a run is shared by the jobs of its group
+            attributes = {"ortq.job.ids": run_ids, "messaging.batch.message_count": len(run_ids)}
+            self._child("ortq.run", parent, at(began), at(began) + round(seconds * 1e9), attributes)
+        if self.encoded_at is not None:
+            self._answer_spans(parent, jobs, at(self.encoded_at), now_ns)
+        span.end(end_time=now_ns)
+
+    def _jobs(self) -> tuple[list[Any], list[str], list[JobSpans]]:
+        """The batch's jobs, in order: the links to their producers' spans (for the frames that
+        carry one), their ids, and the attributes of each one's spans with its stage timings."""
+        from ortq.rqjob import JobRecord
+
+        timings = {done.started.execution_id: done.timings for done in self.finished}
+        timings.update((failure.started.execution_id, failure.timings) for failure in self.failures)
+        links, ids, jobs = [], [], []
+        for item in self.taken:
+            started = item.started
+            try:
+                retries_left = JobRecord.parse(started.job_id, started.fields).retries_left
+            except Exception:  # a record nobody foresaw: its job is failed elsewhere, by its checks
+                retries_left = -1
+            ids.append(started.job_id)
+            attributes: dict[str, Any] = {"messaging.message.id": started.job_id, "ortq.job.retries_left": retries_left}
+            context = producer_context(item.frame)
+            if context is not None:
+                links.append(Link(context, attributes))
+            jobs.append((attributes, timings.get(started.execution_id, {})))
+        return links, ids, jobs
+
+    def _failure_events(self, span: Any, failed: Mapping[str, Failure]) -> None:
+        """An ``ortq.job.failed`` event on the batch's ``span`` for each of its jobs that failed
+        (``failed``: by execution id), in the batch's order."""
         for item in self.taken:
             if (failure := failed.get(item.started.execution_id)) is not None:
                 retrying = failure.retry is not None
                 event = {"messaging.message.id": item.started.job_id, "error.type": failure.error_type}
                 span.add_event("ortq.job.failed", {**event, "ortq.job.retrying": retrying})
-        parent = trace.set_span_in_context(span, Context())
+
+    def _decode_spans(self, parent: Any, jobs: Sequence[JobSpans], start: int, at: Callable[[float], int]) -> None:
+        """The ``ortq.decode`` span of each job that was decoded: one after the other, ending as
+        the first run began, none before the batch's ``start``."""
         decode = [(a, round(t["decode"] * 1e9)) for a, t in jobs if "decode" in t]
         cursor = at(min(r[0] for r in self.runs)) - sum(d for _, d in decode) if self.runs else start
         for attributes, took in decode:  # one after the other, ending as the first run began
             cursor = max(cursor, start)
             self._child("ortq.decode", parent, cursor, cursor + took, attributes)
             cursor += took
-        for began, seconds, run_ids in self.runs:  # a run is shared by the jobs of its group
-            attributes = {"ortq.job.ids": run_ids, "messaging.batch.message_count": len(run_ids)}
-            self._child("ortq.run", parent, at(began), at(began) + round(seconds * 1e9), attributes)
-        if self.encoded_at is not None:
-            encode = [(a, round(t["encode"] * 1e9)) for a, t in jobs if "encode" in t]
-            cursor = at(self.encoded_at) - sum(d for _, d in encode)
-            for attributes, took in encode:  # one after the other, ending as the last was done
-                self._child("ortq.encode", parent, cursor, cursor + took, attributes)
-                cursor += took
-            self._child("ortq.reply", parent, at(self.encoded_at), now_ns, {"messaging.batch.message_count": len(ids)})
-        span.end(end_time=now_ns)
+
+    def _answer_spans(self, parent: Any, jobs: Sequence[JobSpans], encoded: int, now_ns: int) -> None:
+        """The ``ortq.encode`` span of each job that was encoded, one after the other and ending at
+        ``encoded`` (epoch ns), then the batch's ``ortq.reply`` span from there to ``now_ns``."""
+        encode = [(a, round(t["encode"] * 1e9)) for a, t in jobs if "encode" in t]
+        cursor = encoded - sum(d for _, d in encode)
+        for attributes, took in encode:  # one after the other, ending as the last was done
+            self._child("ortq.encode", parent, cursor, cursor + took, attributes)
+            cursor += took
+        self._child("ortq.reply", parent, encoded, now_ns, {"messaging.batch.message_count": len(jobs)})
 
     def _child(self, name: str, parent: Any, start: int, end: int, attributes: Mapping[str, Any]) -> None:
         self.owner.tracer.start_span(name, context=parent, start_time=start, attributes=attributes).end(end_time=end)

@@ -397,29 +397,35 @@ def _read_tensors(header: dict[str, Any], key: str, data: memoryview) -> dict[st
         where = _Where(name, key)  # formatted only for an error message
         if not isinstance(name, str) or not name:
             _fail(f"{where}: tensor names must be non-empty strings")
-        if not isinstance(desc, dict):
-            _fail(f"{where}: descriptor must be a map, got {type(desc).__name__}")
-        dtype, shape, offset, nbytes = (desc.get(k) for k in ("dtype", "shape", "offset", "nbytes"))
-        if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
-            _fail(f"{where}: dtype {_short(dtype)} is not one of {', '.join(SUPPORTED_DTYPES)}")
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-            _fail(f"{where}: shape must be a list of at most {MAX_DIMS} dims, got {_short(shape)}")
-        if not all(_is_int(d) and d >= 0 for d in shape):
-            _fail(f"{where}: shape entries must be non-negative integers, got {_short(shape)}")
-        if not _is_int(offset) or not _is_int(nbytes) or offset < 0:
-            _fail(f"{where}: offset and nbytes must be integers, offset >= 0")
-        wire = _WIRE_DTYPES[dtype]
-        count = prod(shape)  # Python ints: a hostile shape cannot overflow
-        if count * wire.itemsize != nbytes:
-            needed = count * wire.itemsize
-            _fail(f"{where}: declared shape {_short(shape)} needs {needed} bytes but nbytes is {nbytes}")
-        # numpy refuses shapes whose non-zero dims multiply past the address space, even when empty.
-        if prod(max(d, 1) for d in shape) * wire.itemsize > sys.maxsize:
-            _fail(f"{where}: shape {_short(shape)} is too large")
-        if offset + nbytes > len(data):
-            _fail(f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)")
-        arrays[name] = np.frombuffer(data, dtype=wire, count=count, offset=offset).reshape(shape)
+        arrays[name] = _read_tensor(where, desc, data)
     return arrays
+
+
+def _read_tensor(where: _Where, desc: object, data: memoryview) -> NDArray[Any]:
+    """A zero-copy view into ``data`` for one tensor's descriptor ``desc``, each of its fields
+    checked against the format, and its bytes against the data section, first."""
+    if not isinstance(desc, dict):
+        _fail(f"{where}: descriptor must be a map, got {type(desc).__name__}")
+    dtype, shape, offset, nbytes = (desc.get(k) for k in ("dtype", "shape", "offset", "nbytes"))
+    if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
+        _fail(f"{where}: dtype {_short(dtype)} is not one of {', '.join(SUPPORTED_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        _fail(f"{where}: shape must be a list of at most {MAX_DIMS} dims, got {_short(shape)}")
+    if not all(_is_int(d) and d >= 0 for d in shape):
+        _fail(f"{where}: shape entries must be non-negative integers, got {_short(shape)}")
+    if not _is_int(offset) or not _is_int(nbytes) or offset < 0:
+        _fail(f"{where}: offset and nbytes must be integers, offset >= 0")
+    wire = _WIRE_DTYPES[dtype]
+    count = prod(shape)  # Python ints: a hostile shape cannot overflow
+    if count * wire.itemsize != nbytes:
+        needed = count * wire.itemsize
+        _fail(f"{where}: declared shape {_short(shape)} needs {needed} bytes but nbytes is {nbytes}")
+    # numpy refuses shapes whose non-zero dims multiply past the address space, even when empty.
+    if prod(max(d, 1) for d in shape) * wire.itemsize > sys.maxsize:
+        _fail(f"{where}: shape {_short(shape)} is too large")
+    if offset + nbytes > len(data):
+        _fail(f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)")
+    return np.frombuffer(data, dtype=wire, count=count, offset=offset).reshape(shape)
 
 
 class _Where:

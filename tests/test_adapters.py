@@ -15,8 +15,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from ortq.devices.adapters import Adapter, nvml_adapters, select_adapter, visible_cuda_order
 from ortq.errors import AdapterNotFound, AmbiguousAdapter, CanaryMismatch, ConfigurationError, ProviderUnavailable
-from ortq.worker.adapters import Adapter, _nvml_adapters, select_adapter, visible_cuda_order
 from ortq.worker.serve import WorkerConfig, resolve_adapter, resolve_plan
 from ortq.worker.session import SessionPlan, compare_with_cpu, load_model, warmup_inputs
 from tests.conftest import REPO
@@ -127,7 +127,7 @@ def test_nvml_without_a_driver_lists_no_cuda_devices() -> None:
 
     with pytest.raises(pynvml.NVMLError):
         pynvml.nvmlInit()  # this machine has no NVIDIA driver: the real library says so
-    assert _nvml_adapters() == []
+    assert nvml_adapters() == []
 
 
 def test_ortq_adapters_lists_the_cpu_and_says_what_is_missing() -> None:

@@ -49,21 +49,25 @@ def alone(frame: bytes | bytearray) -> tuple[Any, ...]:
         return "failed", f"{type(exc).__name__}: {str(exc) or type(exc).__name__}"
 
 
+def damaged_frame(data: st.DataObject, seed: int) -> bytes | bytearray:
+    """A producer's frame of a drawn kind, as sent or with one byte changed, cut short or longer; as
+    bytes or as a bytearray."""
+    frame = bytearray(producer_frame(data.draw(st.integers(0, len(KINDS) - 1)), seed))
+    how = data.draw(st.sampled_from(["as sent", "as sent", "byte", "truncate", "append"]))
+    if how == "byte":
+        at = data.draw(st.integers(0, len(frame) - 1))
+        frame[at] = data.draw(st.integers(0, 255).filter(lambda b, old=frame[at]: b != old))
+    elif how == "truncate":
+        del frame[data.draw(st.integers(0, len(frame) - 1)) :]
+    elif how == "append":
+        frame += data.draw(st.binary(min_size=1, max_size=16))
+    return data.draw(st.sampled_from([bytes, bytearray]))(frame)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_a_batch_decides_for_each_job_what_its_frame_alone_decides(data: st.DataObject) -> None:
-    frames: list[bytes | bytearray] = []
-    for seed in range(data.draw(st.integers(1, 10))):
-        frame = bytearray(producer_frame(data.draw(st.integers(0, len(KINDS) - 1)), seed))
-        how = data.draw(st.sampled_from(["as sent", "as sent", "byte", "truncate", "append"]))
-        if how == "byte":
-            at = data.draw(st.integers(0, len(frame) - 1))
-            frame[at] = data.draw(st.integers(0, 255).filter(lambda b, old=frame[at]: b != old))
-        elif how == "truncate":
-            del frame[data.draw(st.integers(0, len(frame) - 1)) :]
-        elif how == "append":
-            frame += data.draw(st.binary(min_size=1, max_size=16))
-        frames.append(data.draw(st.sampled_from([bytes, bytearray]))(frame))
+    frames = [damaged_frame(data, seed) for seed in range(data.draw(st.integers(1, 10)))]
     taken = [
         Taken(StartedJob(f"job-{i}", uuid.uuid4().hex, FIELDS, None, 60, utcnow(), len(f)), f)
         for i, f in enumerate(frames)

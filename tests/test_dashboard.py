@@ -33,6 +33,7 @@ from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
 from tests import onnx_models
+from tests.cli_support import invoke
 from tests.conftest import REPO, WorkerProcesses, eventually
 from tests.dashboard_support import (
     BAN,
@@ -373,7 +374,6 @@ def test_a_busy_port_is_one_line_and_status_2(redis_url: str) -> None:
 
 
 def test_help_has_examples() -> None:
-    done = subprocess.run([sys.executable, "-m", "ortq", "dashboard", "--help"], capture_output=True, text=True,
-                          timeout=60, check=False, cwd=REPO)  # fmt: skip
+    done = invoke("dashboard", "--help")
     assert done.returncode == 0, done.stderr
     assert "Examples:" in done.stdout and "--redis-url" in done.stdout and "ortq dashboard --port" in done.stdout

@@ -12,8 +12,6 @@ from __future__ import annotations
 import http.server
 import os
 import re
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +31,8 @@ from ortq.errors import ConfigurationError, InferenceFailed
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
-from tests.conftest import REPO, WorkerProcesses, eventually
+from tests.cli_support import invoke
+from tests.conftest import WorkerProcesses, eventually
 from tests.dashboard_support import Dashboard, basic_auth, browse, forge_job, start_dashboard, start_stock_rq_dashboard
 
 X = np.ones((1, 4), np.float32)
@@ -326,9 +325,8 @@ def test_wrong_logins_lock_the_address_out(redis_server: LocalRedis, tmp_path: P
 
 def test_auth_option_and_host_checks() -> None:
     """--auth must be USER:PASSWORD; the Host check applies on loopback or with --allowed-host."""
-    done = subprocess.run([sys.executable, "-m", "ortq", "dashboard", "--auth", "nocolon"], capture_output=True,
-                          text=True, timeout=60, check=False, cwd=REPO)  # fmt: skip
-    assert done.returncode == 2 and "USER:PASSWORD" in done.stderr, done.stderr
+    done = invoke("dashboard", "--auth", "nocolon")
+    assert done.returncode == 2 and "USER:PASSWORD" in done.stderr and done.no_traceback(), done.stderr
     assert Access.for_listener("127.0.0.1", None).hosts == {"localhost", "127.0.0.1", "::1"}
     assert Access.for_listener("0.0.0.0", "a:b").hosts is None
     assert Access.for_listener("0.0.0.0", None, ["GPU-box:9181"]).hosts == {"localhost", "127.0.0.1", "::1", "gpu-box"}

@@ -27,8 +27,9 @@ from ortq.errors import EXIT_CONFIGURATION, InferenceFailed
 from ortq.exporter import METRIC_NAMES
 from ortq.localredis import LocalRedis, free_port
 from ortq.producer import Producer
+from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
-from ortq.settings import Settings, redacted_url
+from ortq.settings import Settings
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses, eventually
 

@@ -5,6 +5,7 @@ waits (stderr) without touching what it prints (stdout). Real Redis, real worker
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 import ortq as ortq_package
 from tests import onnx_models
+from tests.cli_support import Result, invoke
 from tests.conftest import WorkerProcesses
 from tests.test_cli import ortq
 
@@ -44,14 +46,25 @@ MISUSES = [
 
 
 def test_version_prints_the_package_version() -> None:
-    done = ortq("--version")
+    done = ortq("--version")  # python -m ortq itself: its exit status and all it prints
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"ortq {ortq_package.__version__}\n" and done.stderr == ""
 
 
 @pytest.mark.parametrize(("args", "command", "message"), MISUSES, ids=[" ".join(m[0]) for m in MISUSES])
 def test_a_usage_error_is_one_line_and_status_2(args: list[str], command: str, message: str) -> None:
-    done = ortq(*args)
+    done = invoke(*args)
+    assert done.no_traceback(), done.stderr
+    assert_one_usage_error_line(done, command, message)
+
+
+def test_a_usage_error_from_python_m_ortq_is_one_line_and_status_2() -> None:
+    """One of MISUSES from the interpreter itself (the rest run in this process): its exit status and output."""
+    args, command, message = MISUSES[2]
+    assert_one_usage_error_line(ortq(*args), command, message)
+
+
+def assert_one_usage_error_line(done: subprocess.CompletedProcess[str] | Result, command: str, message: str) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout == ""
     [line] = done.stderr.splitlines()  # click's own is four: usage, hint, blank, error
@@ -65,7 +78,7 @@ def test_infer_says_how_its_job_goes_on_stderr_and_prints_only_outputs(
     slow = onnx_models.timed_slow_model(models_dir / "slow-progress.onnx", 1.5)
     workers.serve(slow, model_name, redis_url)
     np.save(tmp_path / "x.npy", np.ones((1, 256), np.float32))
-    done = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", redis_url)
+    done = invoke("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", redis_url)
     assert done.returncode == 0, done.stderr
     # The outputs alone: one output, printed as numpy prints it.
     assert done.stdout.startswith("y: float32[1, 256] [[") and done.stdout.count("y: ") == 1, done.stdout
@@ -85,7 +98,7 @@ def test_infer_of_a_job_the_worker_fails_ends_with_the_one_error_line(
     gather = onnx_models.gather_model(models_dir / "progress-gather.onnx")
     workers.serve(gather, model_name, redis_url)
     np.save(tmp_path / "idx.npy", np.array([1, 7], np.int64))  # 7: Gather fails at run time
-    failed = ortq("infer", model_name, "--input", f"idx={tmp_path / 'idx.npy'}", "--redis-url", redis_url)
+    failed = invoke("infer", model_name, "--input", f"idx={tmp_path / 'idx.npy'}", "--redis-url", redis_url)
     assert failed.returncode == 3 and failed.stdout == "", failed.stderr
     *progress, error = failed.stderr.splitlines()
     assert re.fullmatch(r"job \S+: queued \(\d+\.\d\d s\)", progress[0]), failed.stderr
@@ -99,7 +112,9 @@ def test_infer_that_times_out_takes_its_job_off_the_queue_and_says_so(
     workers.serve(tiny_path, model_name, redis_url)
     workers.stop_all()  # its signature stays published: the job is enqueued, and nobody takes it
     np.save(tmp_path / "x.npy", np.ones((1, 4), np.float32))
-    late = ortq("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--timeout", "0.5", "--redis-url", redis_url)
+    late = invoke(
+        "infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--timeout", "0.5", "--redis-url", redis_url
+    )
     assert late.returncode == 1 and late.stdout == "", late.stderr
     queued, canceled, error = late.stderr.splitlines()
     assert re.fullmatch(r"job \S+: queued \(0\.\d\d s\)", queued), late.stderr
@@ -115,8 +130,8 @@ def test_bulk_infer_keeps_its_progress_bar_and_no_job_lines(
     folder.mkdir()
     for i in range(3):
         np.save(folder / f"x{i}.npy", np.full((1, 4), i, np.float32))
-    done = ortq("infer", model_name, "--input-dir", str(folder), "--output-dir", str(tmp_path / "out"),
-                "--redis-url", redis_url)  # fmt: skip
+    done = invoke("infer", model_name, "--input-dir", str(folder), "--output-dir", str(tmp_path / "out"),
+                  "--redis-url", redis_url)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(r"3 file\(s\): 3 ok, 0 failed in \S+ s \(\S+ jobs/s\)\n", done.stdout), done.stdout
     assert "job " not in done.stderr and model_name in done.stderr  # click's bar, labelled with the model

@@ -19,16 +19,16 @@ from ortq.dashboard.app import create_app
 from ortq.info import GONE_AFTER_BEATS, collect
 from ortq.rqcompat import layout
 from ortq.settings import Settings
+from tests.cli_support import invoke
 from tests.conftest import WorkerProcesses, eventually
 from tests.dashboard_support import PageFields
-from tests.test_cli import ortq
 
 BEAT = 0.5  # the worker's heartbeat interval (s): gone after 3 of them without one
 
 
 def shown_worker(redis_url: str, model_name: str) -> dict[str, Any]:
     """The model's one worker as ``ortq info --json`` shows it."""
-    done = ortq("info", "--json", "--redis-url", redis_url)
+    done = invoke("info", "--json", "--redis-url", redis_url)
     assert done.returncode == 0, done.stderr
     [model] = [m for m in json.loads(done.stdout)["models"] if m["model"] == model_name]
     [worker] = model["workers"]
@@ -36,7 +36,7 @@ def shown_worker(redis_url: str, model_name: str) -> dict[str, Any]:
 
 
 def table_row(redis_url: str, worker: str) -> str:
-    done = ortq("info", "--redis-url", redis_url)
+    done = invoke("info", "--redis-url", redis_url)
     assert done.returncode == 0, done.stderr
     [row] = [line for line in done.stdout.splitlines() if line.startswith(worker + " ")]
     return row

@@ -5,15 +5,13 @@ redis_url out so that a copy of it follows $ORTQ_REDIS_URL."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ortq.demo import MODEL_PATH
 from ortq.pool.config import PoolConfig
+from tests.cli_support import Result, invoke
 from tests.conftest import REPO
 
 FILE_URL = "redis://queue-host:6379/0"
@@ -21,13 +19,10 @@ ENV_URL = "redis://ops:s3cret@other-host:6379/2"  # its password is never shown
 SHOWN_ENV_URL = "redis://ops@other-host:6379/2"
 
 
-def check(config: Path, *args: str, env_url: str | None) -> subprocess.CompletedProcess[str]:
-    """``ortq pool --check`` (plans, starts nothing, connects to nothing) with $ORTQ_REDIS_URL as given."""
-    env = {k: v for k, v in os.environ.items() if k != "ORTQ_REDIS_URL"}
-    if env_url is not None:
-        env["ORTQ_REDIS_URL"] = env_url
-    return subprocess.run([sys.executable, "-m", "ortq", "pool", "--config", str(config), "--check", *args],
-                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env, check=False)  # fmt: skip
+def check(config: Path, *args: str, env_url: str | None) -> Result:
+    """``ortq pool --check`` (plans, starts nothing, connects to nothing) with $ORTQ_REDIS_URL as given (None:
+    unset), in this process: $ORTQ_REDIS_URL is read when the command runs, the log lines are on its stderr."""
+    return invoke("pool", "--config", str(config), "--check", *args, env={"ORTQ_REDIS_URL": env_url})
 
 
 @pytest.fixture

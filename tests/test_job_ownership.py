@@ -118,7 +118,7 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
     rounds.run()
     sites = faults.sites()  # only calls of the worker's threads count (tests/fault_injection.py)
     # The calls that hold jobs are among them (else this test would test nothing that matters).
-    for expected in ("BLMOVE", "read_large_frames", "fail", "pipeline[start GETRANGE]"):
+    for expected in ("BLMOVE", "read_large_frames", "pipeline[fail]", "pipeline[start GETRANGE]"):
         assert any(site.split(" ", 1)[1] == expected for site in sites), (expected, sites)
     reached: set[str] = set()
     unreached: list[str] = []

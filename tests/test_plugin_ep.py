@@ -26,10 +26,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
+from ortq.devices.adapters import Adapter
+from ortq.devices.plugin_ep import EpDeviceInfo, adapter_from_ep_device, dawn_choice, resolve_webgpu
 from ortq.errors import ConfigurationError
 from ortq.producer import Producer
-from ortq.worker.adapters import Adapter
-from ortq.worker.plugin_ep import EpDeviceInfo, adapter_from_ep_device, dawn_choice, resolve_webgpu
 from tests.conftest import REPO, Pool, WorkerProcesses
 
 GiB = 1024**3
@@ -38,7 +38,7 @@ GiB = 1024**3
 def _missing() -> str | None:
     if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
         return "onnxruntime-ep-webgpu is not installed"
-    from ortq.worker.vulkan import enumerate_vulkan
+    from ortq.devices.vulkan import enumerate_vulkan
 
     try:
         devices = enumerate_vulkan()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
+from ortq.devices.adapters import Adapter
 from ortq.errors import AdapterNotFound, AmbiguousAdapter, ConfigurationError
 from ortq.pool.config import PoolConfig, RestartPolicy
 from ortq.pool.plan import (
@@ -32,7 +32,7 @@ from ortq.pool.restart import Action, ExitHistory, decide
 from ortq.pool.supervisor import Supervisor
 from ortq.producer import Producer
 from ortq.shards import ShardMap
-from ortq.worker.adapters import Adapter
+from tests.cli_support import Result, invoke
 from tests.conftest import REPO, Pool, eventually
 from tests.test_adapters import LAPTOP
 
@@ -66,9 +66,9 @@ def config(text: str, tmp_path: Path) -> PoolConfig:
     return PoolConfig.from_file(path)
 
 
-def ortq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ortq", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, check=False)  # fmt: skip
+def ortq(*args: str) -> Result:
+    """``ortq ARGS`` in this process (tests/cli_support.py): ``pool --check`` plans and starts nothing."""
+    return invoke(*args)
 
 
 @pytest.fixture
@@ -112,14 +112,18 @@ BAD_MODELS = [
     ("max_batchs = 4\n", GROUP, "[[model]] #1 ('m'): unknown key 'max_batchs'; did you mean 'max_batch'?"),
     ("max_batch = '16'\n", GROUP, "[[model]] #1 ('m'): max_batch must be an integer >= 1, got '16' (a string)"),
     ("threads = 0\n", GROUP, "threads must be an integer >= 1, got 0"),
-    ("provider = 'gpu'\n", GROUP, "provider must be one of cpu, cuda, dml, webgpu, plugin, auto, got 'gpu'"),
+    ("provider = 'gpu'\n", GROUP, "provider must be one of dml, cuda, cpu, auto, webgpu, plugin, winml, got 'gpu'"),
     ("provider = 'winml'\n", GROUP, "provider 'winml' is not planned by ortq pool"),
     ("provider = 'plugin'\n", GROUP, "provider 'plugin' needs ep_library"),
-    ("provider = 'cuda'\nep_library = 'libep.so'\n", GROUP, "ep_library and ep_name apply to provider 'plugin' only"),
-    ("provider = 'webgpu'\nep_name = 'X'\n", GROUP, "ep_library and ep_name apply to provider 'plugin' only"),
+    ("provider = 'cuda'\nep_library = 'libep.so'\n", GROUP,
+     "ep_library applies to provider 'plugin' only, not provider 'cuda'"),
+    ("provider = 'webgpu'\nep_name = 'X'\n", GROUP,
+     "ep_name applies to provider 'plugin' (and winml) only, not provider 'webgpu'"),
     ("max_wait_ms = 2\n", GROUP, "max_wait_ms only applies with max_batch > 1"),
-    ("max_batch = 4\n", GROUP, "max_batch > 1 needs rows_independent = true: batching joins several jobs' rows"),
-    ("policy = 'max-performance'\n", GROUP, "policy applies to provider 'auto' only, not 'cpu'"),
+    ("max_batch = 4\n", GROUP, "max_batch joins the rows of several jobs into one run: that is only safe"),
+    ("max_batch = 4\n", GROUP, "say so with rows_independent (docs/pool.md, 'Batching')"),
+    ("policy = 'max-performance'\n", GROUP, "policy applies to provider 'auto' (and winml) only, not provider 'cpu'"),
+    ("device_lost_pattern = 'lost('\n", GROUP, "device_lost_pattern 'lost(': missing ), unterminated subpattern"),
     ("", "", "[[model]] #1 ('m'): no [[model.workers]] tables"),
     ("", "[[model.workers]]\nadapter = 'discrete'\ncount = 1\n",
      "[[model]] #1 ('m') [[model.workers]] #1: adapter does not apply to provider 'cpu'"),
@@ -129,8 +133,8 @@ BAD_MODELS = [
     ("[model.env]\nORTQ_THREADS = '2'\n", GROUP, "ORTQ_THREADS cannot be set here: the pool sets it from threads"),
     ("stall_seconds = -1\n", GROUP, "stall_seconds must be a number >= 0"),
     ("job_timeout = 0\n", GROUP, "job_timeout must be a number > 0"),
-    ("job_timeout = 700\n", GROUP, "job_timeout (700) must be shorter than stall_seconds (600)"),
-    ("stall_seconds = 20\njob_timeout = 20\n", GROUP, "job_timeout (20) must be shorter than stall_seconds (20)"),
+    ("job_timeout = 700\n", GROUP, "job_timeout (700 s) must be shorter than stall_seconds (600 s)"),
+    ("stall_seconds = 20\njob_timeout = 20\n", GROUP, "job_timeout (20 s) must be shorter than stall_seconds (20 s)"),
 ]  # fmt: skip
 
 
@@ -183,7 +187,8 @@ def test_stall_seconds_and_job_timeout_reach_the_workers_command_line(tmp_path: 
     timed, untimed = (slot.argv[slot.argv.index("worker") + 1 :] for slot in (slots[0], slots[-1]))
     assert timed[timed.index("--stall-seconds") + 1 :][:3] == ("90", "--job-timeout", "30.5")
     assert "--stall-seconds" not in untimed and "--job-timeout" not in untimed  # the worker's defaults
-    assert config(MODEL + "stall_seconds = 0\njob_timeout = 5000\n" + GROUP, tmp_path).models[0].stall_seconds == 0
+    never = config(MODEL + "stall_seconds = 0\njob_timeout = 5000\n" + GROUP, tmp_path)
+    assert never.models[0].option("stall_seconds") == 0
 
 
 def test_the_command_line_refuses_a_bad_config_with_one_line(tmp_path: Path, model_file: Path) -> None:
@@ -207,7 +212,7 @@ def test_the_example_config_parses(tmp_path: Path) -> None:
     uncommented = PoolConfig.from_file(tmp_path / "pool.toml")
     providers = {m.provider: m.groups[0].adapter for m in uncommented.models[-2:]}
     assert providers == {"webgpu": "high-performance", "plugin": "npu"}
-    assert uncommented.models[-1].ep_library == Path("/opt/my-ep/libmy_ep.so")
+    assert uncommented.models[-1].ep_library == "/opt/my-ep/libmy_ep.so"
 
 
 # ------------------------------------------------------------------------------------ 2. planning
@@ -313,8 +318,8 @@ def test_webgpu_and_plugin_groups_are_planned_as_their_workers_resolve(tmp_path:
         """
     pool = config(text, tmp_path)
     library = (tmp_path / "libacme.so").resolve()
-    assert pool.models[1].ep_library == library
-    plan = make_plan(pool, VULKAN_BOX, measure=no_measure, plugins={(library, "AcmeEP"): ACME_ROWS})
+    assert pool.models[1].ep_library == str(library)
+    plan = make_plan(pool, VULKAN_BOX, measure=no_measure, plugins={(str(library), "AcmeEP"): ACME_ROWS})
     slots = build_slots(plan, ShardMap("redis://127.0.0.1:6379/5"))
     argv = {s.label: s.argv[s.argv.index("worker") + 1 :] for s in slots}
     # WebGPU by default: the GPU Dawn's high-performance preference picks, by its stable spec.
@@ -336,10 +341,10 @@ def test_webgpu_and_plugin_groups_are_planned_as_their_workers_resolve(tmp_path:
     with pytest.raises(
         ConfigurationError, match=r"\[\[model\]\] 'web' \[\[model.workers\]\] #1: .*no preference reaches"
     ):
-        make_plan(software, VULKAN_BOX, measure=no_measure, plugins={(library, "AcmeEP"): ACME_ROWS})
+        make_plan(software, VULKAN_BOX, measure=no_measure, plugins={(str(library), "AcmeEP"): ACME_ROWS})
     # An EP that offers only the CPU is not run there unasked; another library's devices are its own.
     cpu_only = config(text.replace('ep_name = "AcmeEP"', 'ep_name = "CpuOnlyEP"'), tmp_path)
-    rows = {(library, "CpuOnlyEP"): CPU_ONLY_ROWS, (library, "AcmeEP"): ACME_ROWS}
+    rows = {(str(library), "CpuOnlyEP"): CPU_ONLY_ROWS, (str(library), "AcmeEP"): ACME_ROWS}
     with pytest.raises(AdapterNotFound, match="CpuOnlyEP offers only CPU devices"):
         make_plan(cpu_only, VULKAN_BOX, measure=no_measure, plugins=rows)
     with pytest.raises(AdapterNotFound, match="no plugin adapters on this machine"):

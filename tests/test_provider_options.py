@@ -201,7 +201,7 @@ def test_pool_toml_to_command_line_to_the_workers_options(tmp_path: Path) -> Non
     for slot in slots:
         argv = list(slot.argv[slot.argv.index("worker") + 1 :])
         context = worker_command.make_context("worker", argv)  # what `ortq worker` reads of them
-        parsed.append((context.params["custom_ops"], context.params["provider_option"]))
+        parsed.append((context.params["custom_ops"], context.params["provider_options"]))
     assert parsed == [
         ("onnxruntime_extensions", ("use_tf32=0", "cudnn_conv_algo_search=HEURISTIC")),
         ("onnxruntime_extensions", ("use_tf32=0", "cudnn_conv_algo_search=DEFAULT", "gpu_mem_limit=2147483648")),
@@ -213,7 +213,7 @@ def test_the_environment_form(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORTQ_PROVIDER_OPTIONS", "use_tf32=0 cudnn_conv_algo_search=HEURISTIC")
     monkeypatch.setenv("ORTQ_CUSTOM_OPS", "onnxruntime_extensions")
     context = worker_command.make_context("worker", ["--model", "m.onnx", "--name", "m"])
-    assert context.params["provider_option"] == ("use_tf32=0", "cudnn_conv_algo_search=HEURISTIC")
+    assert context.params["provider_options"] == ("use_tf32=0", "cudnn_conv_algo_search=HEURISTIC")
     assert context.params["custom_ops"] == "onnxruntime_extensions"
     # The pool sets both from its keys: its own environment's are not passed on, nor may env tables set them.
     assert worker_environment({"ORTQ_PROVIDER_OPTIONS": "x=1", "ORTQ_CUSTOM_OPS": "y", "HOME": "/h"}) == {"HOME": "/h"}

@@ -18,8 +18,9 @@ from ortq import keys
 from ortq.errors import ConfigurationError
 from ortq.localredis import STREAM_NODE_MAX_BYTES, LocalRedis
 from ortq.producer import Producer
+from ortq.redisurls import redacted_url
 from ortq.sentinel import SentinelURL
-from ortq.settings import Settings, redacted_url
+from ortq.settings import Settings
 from ortq.shards import ShardMap
 from tests.conftest import REPO, WorkerProcesses
 

@@ -28,8 +28,10 @@ from ortq.localredis import LocalRedis
 from ortq.pool.config import PoolConfig
 from ortq.pool.plan import build_slots, make_plan, worker_environment
 from ortq.producer import Producer
-from ortq.settings import DEFAULT_REDIS_URL, Settings, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import DEFAULT_REDIS_URL, Settings
 from ortq.shards import ShardMap
+from tests.cli_support import Result, invoke
 from tests.conftest import REPO, Pool, WorkerProcesses
 from tests.test_pool import no_measure
 
@@ -39,9 +41,9 @@ SMALL = f"shard-small-{os.getpid()}"
 BIG = f"shard-big-{os.getpid()}"
 
 
-def ortq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ortq", *args], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, check=False, env={**os.environ, **(env or {})})  # fmt: skip
+def ortq(*args: str, env: dict[str, str] | None = None) -> Result:
+    """``ortq ARGS`` with these variables set, in this process (tests/cli_support.py): none of them serves."""
+    return invoke(*args, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,11 +37,13 @@ from ortq.errors import BrokerUnavailable, ConfigurationError, InferenceFailed
 from ortq.localredis import find_redis_server, free_port
 from ortq.producer import Producer
 from ortq.producer.enqueue import JobOptions, job_hash
+from ortq.redisurls import redacted_url
 from ortq.rqcompat.book import Book
 from ortq.rqcompat.layout import QueueKeys
-from ortq.settings import Settings, redacted_url
+from ortq.settings import Settings
 from ortq.wire import encode_request
 from tests import onnx_models
+from tests.cli_support import Result, invoke
 from tests.conftest import REPO, WorkerProcesses, eventually, worker_command
 
 # The ACL rules of docs/security.md, user by user (test_the_documented_rules_are_the_tested_ones
@@ -233,8 +234,9 @@ def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-def _ortq(*args: str) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "ortq", *args])
+def _ortq(*args: str) -> Result:
+    """``ortq ARGS`` in this process (tests/cli_support.py); workers run as processes (_run)."""
+    return invoke(*args)
 
 
 def test_jobs_run_end_to_end_over_tls_as_the_producer_and_worker_users(
@@ -443,8 +445,9 @@ def test_bad_credentials_and_untrusted_certificates_are_clear_errors(tls_redis: 
     # The CLI: one line on stderr and exit status 2, before and after loading a model.
     worker_password = tls_redis.passwords["ortq-worker"]
     wrong = tls_redis.url("ortq-worker", "wrong")
-    started = _run(worker_command(gather_path, "tls-refused", wrong))
+    started = _run(worker_command(gather_path, "tls-refused", wrong))  # a process: it loads its model first
     untrusted = _ortq("info", "--redis-url", tls_redis.url("ortq-worker", ca="rogue.crt"))
+    assert untrusted.no_traceback(), untrusted.stderr
     for done, message in ((started, "refused the login"), (untrusted, "TLS with Redis at")):
         assert done.returncode == 2, done.stderr
         [line] = [line for line in done.stderr.splitlines() if line.startswith("ortq:")]

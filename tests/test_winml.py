@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from ortq.devices.plugin_ep import EpDeviceInfo
+from ortq.devices.winml import CatalogEntry, choose_device, choose_entries
 from ortq.errors import AdapterNotFound, AmbiguousAdapter, ProviderUnavailable
-from ortq.worker.plugin_ep import EpDeviceInfo
-from ortq.worker.winml import CatalogEntry, choose_device, choose_entries
 from tests.conftest import REPO
 
 APPS = "C:\\Program Files\\WindowsApps"

@@ -22,6 +22,7 @@ from ortq.settings import Settings
 from ortq.worker.runtime import check_single_runtime, installed_runtimes
 from ortq.worker.session import SessionPlan, load_model
 from tests import onnx_models
+from tests.cli_support import invoke
 from tests.conftest import REPO, WorkerProcesses, eventually
 
 #: A worker's start on the oldest onnxruntime `worker` allows too (scripts/test.sh's second pass).
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.rqcompat
 
 
 def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``ortq worker`` in a process of its own; a worker refused at start-up runs in this one (tests/cli_support.py)."""
     return subprocess.run(
         [sys.executable, "-m", "ortq", "worker", *args], check=False, capture_output=True, text=True, timeout=timeout,
         cwd=REPO, env=env,
@@ -38,8 +40,9 @@ def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 6
 def test_cuda_without_cuda_refuses_to_start(tiny_path: Path, redis_url: str, model_name: str) -> None:
     # This machine's onnxruntime is the CPU build: a CUDA session would silently be a CPU one.
     assert "CUDAExecutionProvider" not in ort.get_available_providers()
-    done = run_worker("--model", str(tiny_path), "--name", model_name, "--provider", "cuda", "--redis-url", redis_url)
-    assert done.returncode == 2, done.stderr
+    done = invoke("worker", "--model", str(tiny_path), "--name", model_name, "--provider", "cuda", "--redis-url",
+                  redis_url)  # fmt: skip
+    assert done.returncode == 2 and done.no_traceback(), done.stderr
     assert "ProviderUnavailable" in done.stderr
     assert "CUDAExecutionProvider" in done.stderr and "onnxruntime-gpu" in done.stderr
     assert "--allow-cpu-fallback" in done.stderr
@@ -61,8 +64,8 @@ def test_a_provider_that_cannot_run_here_is_said_first_in_one_line(
     }
     for provider, reason in reasons.items():
         args = ["--model", str(tiny_path), "--name", model_name, "--provider", provider, *adapter]
-        done = run_worker(*args, "--redis-url", redis_url)
-        assert done.returncode == 2, done.stderr
+        done = invoke("worker", *args, "--redis-url", redis_url)
+        assert done.returncode == 2 and done.no_traceback(), done.stderr
         assert done.stderr.startswith(reason) and done.stderr.count("\n") == 1, done.stderr
 
 
@@ -152,6 +155,6 @@ def test_a_shutdown_command_through_redis_lets_the_running_job_finish(
 
 
 def test_missing_model_file_is_a_clear_error(redis_url: str, model_name: str, tmp_path: Path) -> None:
-    done = run_worker("--model", str(tmp_path / "nope.onnx"), "--name", model_name, "--redis-url", redis_url)
-    assert done.returncode == 2
+    done = invoke("worker", "--model", str(tmp_path / "nope.onnx"), "--name", model_name, "--redis-url", redis_url)
+    assert done.returncode == 2 and done.no_traceback()
     assert "ModelLoadError" in done.stderr and "nope.onnx" in done.stderr

@@ -22,7 +22,8 @@ from ortq.dashboard.records import describe
 from ortq.dashboard.templates import PatchedTemplates
 from ortq.errors import ConfigurationError
 from ortq.info import collect
-from ortq.settings import REDIS_DOWN, Settings, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import REDIS_DOWN, Settings
 
 log = logging.getLogger(__name__)
 

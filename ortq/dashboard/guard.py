@@ -134,37 +134,12 @@ def install(app: Flask, access: Access, throttle: LoginThrottle | None = None) -
     @app.before_request
     def check_request() -> Response | None:
         g.csp_nonce = secrets.token_urlsafe(16)
-        if access.hosts is not None and _host_name(request.host) not in access.hosts:
-            return _refuse(400, f"this dashboard does not answer to the host {request.host!r}; start it with "
-                                f"--allowed-host {_host_name(request.host)} if that name is yours")  # fmt: skip
-        if expected is not None:
-            client = request.remote_addr
-            if wait := throttle.retry_after(client):
-                return _refuse(429, f"too many wrong logins from {client}: try again in {wait} s",
-                               **{"Retry-After": str(wait)})  # fmt: skip
-            given = request.authorization
-            basic = given is not None and given.type == "basic"
-            user, password = (given.username, given.password) if given is not None and basic else ("", "")
-            user_ok = hmac.compare_digest((user or "").encode(), expected[0])
-            password_ok = hmac.compare_digest((password or "").encode(), expected[1])
-            if not (user_ok and password_ok):
-                if basic:  # a login that was tried, not a browser's first request (it sends none)
-                    throttle.failed(client)
-                return _refuse(401, "log in (HTTP Basic) with the --auth user and password",
-                               **{"WWW-Authenticate": 'Basic realm="ortq dashboard", charset="UTF-8"'})  # fmt: skip
-            throttle.succeeded(client)
-        rule = request.url_rule
-        if rule is None or "POST" not in (rule.methods or ()):
-            return None
-        if request.method != "POST":
-            return _refuse(405, "this changes state: POST only, from the dashboard's own pages", Allow="POST")
-        wrong_origin = _same_origin()
-        if wrong_origin is not None:
-            return _refuse(403, f"cross-origin request refused: {wrong_origin}")
-        token = request.headers.get(CSRF_HEADER) or request.form.get(CSRF_FIELD) or ""
-        if not hmac.compare_digest(token.encode(), csrf_token.encode()):
-            return _refuse(403, f"missing or wrong CSRF token ({CSRF_HEADER} header): reload the page")
-        return None
+        refusal = _wrong_host(access.hosts)
+        if refusal is None and expected is not None:
+            refusal = _failed_login(expected, throttle)
+        if refusal is None:
+            refusal = _refused_state_change(csrf_token)
+        return refusal
 
     @app.context_processor
     def page_values() -> dict[str, Any]:
@@ -172,6 +147,53 @@ def install(app: Flask, access: Access, throttle: LoginThrottle | None = None) -
         return {"csrf_token": csrf_token, "csp_nonce": g.get("csp_nonce", "")}
 
     app.after_request(_with_headers)
+
+
+def _wrong_host(hosts: frozenset[str] | None) -> Response | None:
+    """Check 1: the 400 for a ``Host`` header that names none of ``hosts`` (None: any host
+    passes); None when the request passes."""
+    if hosts is not None and _host_name(request.host) not in hosts:
+        return _refuse(400, f"this dashboard does not answer to the host {request.host!r}; start it with "
+                            f"--allowed-host {_host_name(request.host)} if that name is yours")  # fmt: skip
+    return None
+
+
+def _failed_login(expected: tuple[bytes, ...], throttle: LoginThrottle) -> Response | None:
+    """Check 2: the 429 for a client locked out by ``throttle``, the 401 for a request without the
+    ``expected`` (user, password), counted as a wrong login when it tried one; None when it logs in."""
+    client = request.remote_addr
+    if wait := throttle.retry_after(client):
+        return _refuse(429, f"too many wrong logins from {client}: try again in {wait} s",
+                       **{"Retry-After": str(wait)})  # fmt: skip
+    given = request.authorization
+    basic = given is not None and given.type == "basic"
+    user, password = (given.username, given.password) if given is not None and basic else ("", "")
+    user_ok = hmac.compare_digest((user or "").encode(), expected[0])
+    password_ok = hmac.compare_digest((password or "").encode(), expected[1])
+    if not (user_ok and password_ok):
+        if basic:  # a login that was tried, not a browser's first request (it sends none)
+            throttle.failed(client)
+        return _refuse(401, "log in (HTTP Basic) with the --auth user and password",
+                       **{"WWW-Authenticate": 'Basic realm="ortq dashboard", charset="UTF-8"'})  # fmt: skip
+    throttle.succeeded(client)
+    return None
+
+
+def _refused_state_change(csrf_token: str) -> Response | None:
+    """Check 3: the 405 or 403 for a request to a state-changing route that is no POST from the
+    dashboard's own origin carrying ``csrf_token``; None for every other request."""
+    rule = request.url_rule
+    if rule is None or "POST" not in (rule.methods or ()):
+        return None
+    if request.method != "POST":
+        return _refuse(405, "this changes state: POST only, from the dashboard's own pages", Allow="POST")
+    wrong_origin = _same_origin()
+    if wrong_origin is not None:
+        return _refuse(403, f"cross-origin request refused: {wrong_origin}")
+    token = request.headers.get(CSRF_HEADER) or request.form.get(CSRF_FIELD) or ""
+    if not hmac.compare_digest(token.encode(), csrf_token.encode()):
+        return _refuse(403, f"missing or wrong CSRF token ({CSRF_HEADER} header): reload the page")
+    return None
 
 
 def _with_headers(response: Response) -> Response:

@@ -19,7 +19,8 @@ from rq.results import Result
 
 from ortq.dashboard.records import describe, exception_text, text
 from ortq.info import collect, heartbeat_text, state_text
-from ortq.settings import REDIS_DOWN, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import REDIS_DOWN
 
 #: Failures listed per model, newest first.
 FAILURES_SHOWN = 10

@@ -59,9 +59,9 @@ from ortq.dashboard.records import (
     unreadable_fields,
 )
 from ortq.errors import ConfigurationError
+from ortq.redisurls import redacted_url
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
-from ortq.settings import redacted_url
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from click.core import ParameterSource
 
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
-from ortq.settings import redacted_url
+from ortq.redisurls import redacted_url
 
 if TYPE_CHECKING:
     from ortq.pool.config import PoolConfig

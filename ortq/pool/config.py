@@ -10,48 +10,29 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ortq import keys
 from ortq.errors import ConfigurationError
 from ortq.pool.tomltable import Env, Table
-from ortq.settings import Settings, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import Settings
 from ortq.shards import ENV_VAR as SHARDS_ENV_VAR
 from ortq.shards import ShardMap
+from ortq.worker import options as worker_options
 from ortq.worker import provider_options
-from ortq.worker.custom_ops import PACKAGES as CUSTOM_OPS_PACKAGES
-from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
+from ortq.worker.options import Level, Spelling
 
-PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "plugin", "auto")
-POLICIES = ("prefer-gpu", "max-performance", "max-efficiency", "min-overall-power")
+T = TypeVar("T")
 
-#: Variables an env table must not set, and why. The ORTQ_* ones are worker options the pool sets
-#: from config keys; CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER would renumber the GPUs under one
-#: worker only, so that it no longer sees the enumeration the pool planned against.
-_FROM_KEY = {
-    "ORTQ_MODEL": "path",
-    "ORTQ_MODEL_NAME": "name",
-    "ORTQ_PROVIDER": "provider",
-    "ORTQ_ADAPTER": "adapter",
-    "ORTQ_EP_LIBRARY": "ep_library",
-    "ORTQ_EP_NAME": "ep_name",
-    "ORTQ_THREADS": "threads",
-    "ORTQ_MAX_BATCH": "max_batch",
-    "ORTQ_MAX_WAIT_MS": "max_wait_ms",
-    "ORTQ_ROWS_INDEPENDENT": "rows_independent",
-    "ORTQ_STALL_SECONDS": "stall_seconds",
-    "ORTQ_JOB_TIMEOUT": "job_timeout",
-    "ORTQ_MODEL_VERSION": "version",
-    "ORTQ_CUSTOM_OPS": "custom_ops",
-    "ORTQ_PROVIDER_OPTIONS": "provider_options",
-    "ORTQ_REDIS_URL": "redis_url in [pool] or [[model]]",
-    SHARDS_ENV_VAR: "redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
-    "ORTQ_METRICS_PORT": "metrics_port_base in [pool]",
-    "ORTQ_METRICS_HOST": "metrics_host in [pool]",
-}
+#: Variables an env table must not set, and why: the ORTQ_* variables of the worker options the
+#: pool sets itself (ortq.worker.options), and CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER, which
+#: would renumber the GPUs under one worker only, so that it no longer sees the enumeration the
+#: pool planned against.
 RESERVED_ENV = {
-    **{name: f"the pool sets it from {key}" for name, key in _FROM_KEY.items()},
-    "ORTQ_WORKER_NAME": "the pool names its workers",
+    **worker_options.pool_sets(),
+    "ORTQ_REDIS_URL": "the pool sets it from redis_url in [pool] or [[model]]",
+    SHARDS_ENV_VAR: "the pool sets it from redis_url in [[model]], or the pool's own --shards / $ORTQ_REDIS_SHARDS",
     "CUDA_VISIBLE_DEVICES": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
     "CUDA_DEVICE_ORDER": "the pool gives each worker its GPU by --adapter; set it in the pool's own environment",
 }
@@ -85,40 +66,46 @@ class WorkerGroup:
     provider_options: Env = ()
 
 
+class _WorkerOption(Generic[T]):
+    """A ModelConfig attribute that reads the ``ortq worker`` option of its own name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name
+
+    def __get__(self, model: ModelConfig, owner: type | None = None) -> T:
+        value: T = model.option(self.field)
+        return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One ``[[model]]`` table: what ``ortq worker`` options its workers get."""
 
     name: str
     path: Path
-    provider: str
     groups: tuple[WorkerGroup, ...]
-    threads: int | None = None
-    max_batch: int = 1
-    max_wait_ms: float = 0.0
-    rows_independent: bool = False
-    policy: str = "prefer-gpu"
-    allow_cpu_fallback: bool = False
-    skip_canary: bool = False
-    burst: bool = False
+    #: The ``ortq worker`` options the table gives (ortq.worker.options: field and value, in the
+    #: worker's types; those at their default left out). Read them with :meth:`option`.
+    options: tuple[tuple[str, Any], ...] = ()
     #: The operator's own figure for one worker's memory on its adapter; replaces the estimate.
     memory_per_worker_bytes: int | None = None
     env: Env = ()
     #: This model's Redis (a shard of its own, ortq/shards.py); None: the pool's.
     redis_url: str | None = None
-    #: provider "plugin": the EP's shared library, and which of its EPs (None: its only one).
-    ep_library: Path | None = None
-    ep_name: str | None = None
-    #: ``ortq worker --stall-seconds`` (None: its default) and ``--job-timeout`` (None: no limit).
-    stall_seconds: float | None = None
-    job_timeout: float | None = None
-    #: ``ortq worker --model-version`` (None: the model file's digest).
-    version: str | None = None
-    #: ``ortq worker --custom-ops``: a package name of ortq.worker.custom_ops.PACKAGES, or a library's
-    #: absolute path (the file's relative to pool.toml's folder); None: none.
-    custom_ops: str | None = None
-    #: ``ortq worker --provider-option`` pairs for every worker of the model (a group's add to them).
-    provider_options: Env = ()
+
+    def option(self, field: str) -> Any:
+        """The value of ``ortq worker`` option ``field`` (a WorkerConfig field) its workers get."""
+        return dict(self.options).get(field, worker_options.DEFAULTS[field])
+
+    # The options the pool's planning reads, by name (ep_library and custom_ops: absolute paths, or
+    # custom_ops a package name of ortq.worker.custom_ops.PACKAGES).
+    provider = _WorkerOption[str]()
+    ep_library = _WorkerOption[str | None]()
+    ep_name = _WorkerOption[str | None]()
+    threads = _WorkerOption[int | None]()
+    max_batch = _WorkerOption[int]()
+    custom_ops = _WorkerOption[str | None]()
+    burst = _WorkerOption[bool]()
 
     @property
     def worker_count(self) -> int:
@@ -238,6 +225,8 @@ def _restart(table: Table) -> RestartPolicy:
 
 
 def _model(table: Table, base_dir: Path) -> ModelConfig:
+    """A ``[[model]]`` table: its name and path, the worker options it gives (each checked as
+    ``ortq worker`` checks it, in pool.toml's words), its groups of workers."""
     name = table.string("name")
     if name is None:
         raise table.error("name is missing (the model's queue name)")
@@ -249,109 +238,57 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
     path = table.string("path")
     if path is None:
         raise table.error("path is missing (the .onnx file)")
-    provider = table.string("provider", "cpu") or "cpu"
-    if provider == "winml":
+    given = worker_options.read_toml(table, base_dir, Level.MODEL)
+    if given.get("provider") == "winml":
         raise table.error(
             "provider 'winml' is not planned by ortq pool (Windows ML's devices come from its catalog at each "
             "worker's start): run `ortq worker --provider winml` under a service manager instead (deploy/)"
         )
-    if provider not in PROVIDERS:
-        raise table.error(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
-    ep_library, ep_name = table.string("ep_library"), table.string("ep_name")
-    if provider == "plugin" and ep_library is None:
-        raise table.error("provider 'plugin' needs ep_library (the path of the execution provider's shared library)")
-    if provider != "plugin" and (ep_library or ep_name):
-        raise table.error(f"ep_library and ep_name apply to provider 'plugin' only, not {provider!r}")
-    max_batch = table.integer("max_batch", 1, 1)
-    max_wait_ms = table.number("max_wait_ms", 0.0, 0)
+    _check(table, given)
     memory_mib = table.integer("memory_per_worker_mib", None, 1)
-    policy = table.string("policy", "prefer-gpu", POLICIES) or "prefer-gpu"
+    groups = tuple(_group(t, given, base_dir) for t in table.tables("workers", "model.workers", f"{table.where} "))
     model = ModelConfig(
         name=name,
         path=(base_dir / path).resolve(),
-        provider=provider,
-        groups=tuple(_group(t, provider) for t in table.tables("workers", "model.workers", f"{table.where} ")),
-        threads=table.integer("threads", None, 1),
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        rows_independent=table.boolean("rows_independent", False),
-        policy=policy,
-        allow_cpu_fallback=table.boolean("allow_cpu_fallback", False),
-        skip_canary=table.boolean("skip_canary", False),
-        burst=table.boolean("burst", False),
+        groups=groups,
+        options=tuple(given.items()),
         memory_per_worker_bytes=None if memory_mib is None else memory_mib * 1024**2,
         env=table.env("model.env", RESERVED_ENV),
         redis_url=_redis_url(table),
-        ep_library=None if ep_library is None else (base_dir / ep_library).resolve(),
-        ep_name=ep_name,
-        stall_seconds=table.number("stall_seconds", None, 0),
-        job_timeout=table.number("job_timeout", None, 0, above=True),
-        version=_version(table),
-        custom_ops=_custom_ops(table, base_dir),
-        provider_options=table.provider_options("model.provider_options"),
     )
     table.finish()
-    _check_provider_options(table, model)
     if not model.groups:
         raise table.error("no [[model.workers]] tables: say how many workers, e.g. [[model.workers]] count = 1")
-    if max_wait_ms > 0 and max_batch == 1:
-        raise table.error("max_wait_ms only applies with max_batch > 1")
-    if max_batch > 1 and not model.rows_independent:
-        raise table.error(
-            "max_batch > 1 needs rows_independent = true: batching joins several jobs' rows into one run, "
-            "which is only safe when each output row depends on the same input row alone (docs/pool.md, 'Batching')"
-        )
-    if policy != "prefer-gpu" and provider != "auto":
-        raise table.error(f"policy applies to provider 'auto' only, not {provider!r}")
-    stall = DEFAULT_STALL_SECONDS if model.stall_seconds is None else model.stall_seconds
-    if model.job_timeout is not None and 0 < stall <= model.job_timeout:
-        raise table.error(f"job_timeout ({model.job_timeout:g}) must be shorter than stall_seconds ({stall:g})")
     return model
 
 
-def _group(table: Table, provider: str) -> WorkerGroup:
+def _group(table: Table, model_options: dict[str, Any], base_dir: Path) -> WorkerGroup:
+    """A ``[[model.workers]]`` table; its options checked with its model's."""
+    given = worker_options.read_toml(table, base_dir, Level.GROUP)
     group = WorkerGroup(
         count=table.integer("count", 0, 1),
-        adapter=table.string("adapter"),
+        adapter=given.get("adapter"),
         env=table.env("model.workers.env", RESERVED_ENV),
-        provider_options=table.provider_options("model.workers.provider_options"),
+        provider_options=given.get("provider_options", ()),
     )
     table.finish()
     if group.count == 0:
         raise table.error("count is missing (how many workers)")
-    if group.adapter is not None and provider in ("cpu", "auto"):
-        raise table.error(f"adapter does not apply to provider {provider!r} (a CPU pool says only how many: count = N)")
+    merged = dict(model_options.get("provider_options", ()))
+    merged.update(group.provider_options)
+    _check(table, {**model_options, "adapter": group.adapter, "provider_options": tuple(merged.items())})
     return group
 
 
-def _custom_ops(table: Table, base_dir: Path) -> str | None:
-    """A model's ``custom_ops``: a package name as it is, a library's path relative to the file's folder."""
-    spec = table.string("custom_ops")
-    if spec is None or spec in CUSTOM_OPS_PACKAGES:
-        return spec
-    return str((base_dir / spec).resolve())
+def _check(table: Table, values: dict[str, Any]) -> None:
+    """``values`` (worker options) checked as ``ortq worker`` checks them, the error in ``table``'s name."""
+    try:
+        provider_options.check(values.get("provider", "cpu"), values.get("provider_options", ()))
+        worker_options.check(values, Spelling(on_command_line=False))
+    except ConfigurationError as exc:
+        raise table.error(str(exc)) from None
 
 
 def group_provider_options(model: ModelConfig, group: WorkerGroup) -> Env:
     """What a group's workers get as --provider-option: the model's, then the group's (which win)."""
-    return tuple({**dict(model.provider_options), **dict(group.provider_options)}.items())
-
-
-def _check_provider_options(table: Table, model: ModelConfig) -> None:
-    """Each group's options, checked as its workers will check them (ortq.worker.provider_options)."""
-    for group in model.groups:
-        try:
-            provider_options.check(model.provider, group_provider_options(model, group))
-        except ConfigurationError as exc:
-            raise table.error(str(exc)) from None
-
-
-def _version(table: Table) -> str | None:
-    """A model's ``version`` (ortq worker --model-version), checked as the worker checks it."""
-    version = table.string("version")
-    if version is not None:
-        try:
-            keys.check_version_name(version)
-        except ConfigurationError as exc:
-            raise table.error(str(exc)) from None
-    return version
+    return tuple({**dict(model.option("provider_options")), **dict(group.provider_options)}.items())

@@ -1,27 +1,27 @@
 """What a pool is planned against: one enumeration of the machine's adapters (``ortq adapters``),
 plus the devices of each plugin EP library its ``provider = "plugin"`` models name, listed the way
-their workers will list them (ortq.worker.plugin_ep.open_library), and how each kind of provider
+their workers will list them (ortq.devices.plugin_ep.open_library), and how each kind of provider
 turns a ``[[model.workers]]`` adapter spec into one adapter, by the rules its workers apply."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
+from ortq.devices.adapters import Adapter, select_adapter
+from ortq.devices.enumeration import enumerate_adapters
+from ortq.devices.plugin_ep import choose_plugin_adapter, open_library, resolve_webgpu
 from ortq.errors import ConfigurationError
 from ortq.pool.config import ModelConfig, PoolConfig
-from ortq.worker.adapters import Adapter, enumerate_adapters, select_adapter
-from ortq.worker.plugin_ep import choose_plugin_adapter, open_library, resolve_webgpu
 
 #: A plugin EP library and EP name (None: its only EP) -> that EP's devices.
-PluginDevices = Mapping[tuple[Path, str | None], Sequence[Adapter]]
+PluginDevices = Mapping[tuple[str, str | None], Sequence[Adapter]]
 
 
-def enumerate_for(config: PoolConfig) -> tuple[list[Adapter], list[str], dict[tuple[Path, str | None], list[Adapter]]]:
+def enumerate_for(config: PoolConfig) -> tuple[list[Adapter], list[str], dict[tuple[str, str | None], list[Adapter]]]:
     """The adapters and the enumeration's notes (``enumerate_adapters``), and each plugin library's
     devices; a library that cannot be registered is a ConfigurationError naming its model."""
     adapters, notes = enumerate_adapters()
-    plugins: dict[tuple[Path, str | None], list[Adapter]] = {}
+    plugins: dict[tuple[str, str | None], list[Adapter]] = {}
     for model in config.models:
         if model.provider != "plugin" or model.ep_library is None:
             continue

@@ -19,14 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ortq.devices.adapters import Adapter
 from ortq.errors import AdapterNotFound, ConfigurationError
 from ortq.pool.config import RESERVED_ENV, ModelConfig, PoolConfig, WorkerGroup, group_provider_options
 from ortq.pool.devices import PluginDevices, candidates, choose
 from ortq.pool.measure import SessionFootprint, measure_session
 from ortq.pool.tomltable import Env
-from ortq.settings import redacted_url
+from ortq.redisurls import redacted_url
 from ortq.shards import ShardMap
-from ortq.worker.adapters import Adapter
+from ortq.worker import options as worker_options
 
 MiB = 1024**2
 GiB = 1024**3
@@ -293,37 +294,33 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
     per_model: dict[str, int] = {}
     for p in plan.placements:
         m = p.model
-        options = ["--model", str(m.path), "--name", m.name, "--provider", m.provider]
-        options += ["--ep-library", str(m.ep_library)] if m.ep_library else []
-        options += ["--ep-name", m.ep_name] if m.ep_name else []
-        options += ["--adapter", p.adapter_arg] if p.adapter_arg else []
-        options += ["--threads", str(m.threads)] if m.threads else []
-        batching = ["--max-batch", str(m.max_batch), "--max-wait-ms", f"{m.max_wait_ms:g}", "--rows-independent"]
-        options += batching if m.max_batch > 1 else []
-        options += ["--policy", m.policy] if m.provider == "auto" else []
-        options += ["--stall-seconds", f"{m.stall_seconds:g}"] if m.stall_seconds is not None else []
-        options += ["--job-timeout", f"{m.job_timeout:g}"] if m.job_timeout is not None else []
-        options += ["--model-version", m.version] if m.version is not None else []
-        options += ["--custom-ops", m.custom_ops] if m.custom_ops is not None else []
-        for key, value in group_provider_options(m, p.group):
-            options += ["--provider-option", f"{key}={value}"]
-        flags = {"--allow-cpu-fallback": m.allow_cpu_fallback, "--skip-canary": m.skip_canary, "--burst": m.burst}
-        options += [flag for flag, on in flags.items() if on]
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.
         redis_url = shards.url_for(m.name)
         env = {**dict(config.env), **dict(m.env), **dict(p.group.env), "ORTQ_REDIS_URL": redis_url}
         env["PYTHONUNBUFFERED"] = "1"  # the pool relays its workers' output line by line
         for _ in range(p.group.count):
             number = len(slots)
-            ports = []
-            if config.metrics_port_base:
-                port = str(config.metrics_port_base + number)
-                ports = ["--metrics-port", port, "--metrics-host", config.metrics_host]
+            port = config.metrics_port_base + number if config.metrics_port_base else 0
             n = per_model.get(m.name, 0)
             per_model[m.name] = n + 1
-            argv = (sys.executable, "-m", "ortq", *(["-v"] if verbose else []), "worker", *options, *ports)
+            options = worker_arguments(p, port, config.metrics_host)
+            argv = (sys.executable, "-m", "ortq", *(["-v"] if verbose else []), "worker", *options)
             slots.append(WorkerSlot(number, f"{m.name}.{n}", argv, tuple(env.items()), m.burst, redis_url))
     return slots
+
+
+def worker_arguments(placement: Placement, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> list[str]:
+    """``ortq worker``'s arguments for one worker of ``placement``: its model's options, its group's
+    adapter and provider options, its metrics port (ortq.worker.options.command_line writes them)."""
+    model = placement.model
+    given = {
+        **dict(model.options),
+        "adapter": placement.adapter_arg or None,
+        "provider_options": group_provider_options(model, placement.group),
+    }
+    if metrics_port:
+        given.update(metrics_port=metrics_port, metrics_host=metrics_host)
+    return ["--model", str(model.path), "--name", model.name, *worker_options.command_line(given)]
 
 
 # --------------------------------------------------------------------------- output

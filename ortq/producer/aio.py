@@ -30,7 +30,8 @@ from ortq.producer.enqueue import SubmitOptions
 from ortq.producer.replies import ReplyReader
 from ortq.producer.routes import Routes
 from ortq.producer.steps import Command, Request, Round, Stepper, Steps
-from ortq.settings import Settings, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import Settings
 from ortq.signature import ModelSignature
 
 log = logging.getLogger("ortq")

@@ -21,7 +21,8 @@ from ortq.producer import cancelling, checks, enqueue, lookups, submitting, wait
 from ortq.producer.enqueue import SubmitOptions
 from ortq.producer.routes import Routes
 from ortq.producer.steps import Command, Request, Round, Stepper, Steps
-from ortq.settings import Settings, redacted_url
+from ortq.redisurls import redacted_url
+from ortq.settings import Settings
 from ortq.signature import ModelSignature
 
 T = TypeVar("T")

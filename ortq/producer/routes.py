@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from ortq.settings import redacted_url
+from ortq.redisurls import redacted_url
 from ortq.shards import ShardMap
 
 C = TypeVar("C")

@@ -446,20 +446,8 @@ class Book:
         parsed = self._started.window(self.connection, limit)
         if not parsed:
             return []
-        tags = {execution_tag(name): name for name in [self.worker_name, *self._queue_workers()]}
-        owners: list[str | None] = [tags.get(execution[:TAG_DIGITS]) for _, execution in parsed]
-        untagged = [i for i, owner in enumerate(owners) if owner is None]
-        if untagged:
-            with self.connection.pipeline(transaction=False) as pipe:
-                for i in untagged:
-                    pipe.hget(layout.execution_key(*parsed[i]), "worker_name")
-                for i, name in zip(untagged, pipe.execute(raise_on_error=False), strict=True):
-                    owners[i] = keys.as_text(name) if isinstance(name, bytes) else None
-        names = sorted({w for w in owners if w is not None and w != self.worker_name})
-        with self.connection.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.hget(layout.worker_key(name), "last_heartbeat")
-            beats = dict(zip(names, pipe.execute(raise_on_error=False), strict=True))
+        owners = self._owners(parsed)
+        beats = self._last_heartbeats(sorted({w for w in owners if w is not None and w != self.worker_name}))
         now = utcnow()
         found = []
         for (job_id, execution), owner in zip(parsed, owners, strict=True):
@@ -472,6 +460,29 @@ class Book:
             if last is None or (now - last).total_seconds() > dead_after:
                 found.append((job_id, execution, owner or "?"))
         return found
+
+    def _owners(self, parsed: list[tuple[str, str]]) -> list[str | None]:
+        """The worker of each started entry (job id, execution id): the one of this queue's
+        registered workers (or this one) whose tag begins the execution id, else the one its
+        execution hash names (one round trip for all of those); None where neither says."""
+        tags = {execution_tag(name): name for name in [self.worker_name, *self._queue_workers()]}
+        owners: list[str | None] = [tags.get(execution[:TAG_DIGITS]) for _, execution in parsed]
+        untagged = [i for i, owner in enumerate(owners) if owner is None]
+        if untagged:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for i in untagged:
+                    pipe.hget(layout.execution_key(*parsed[i]), "worker_name")
+                for i, name in zip(untagged, pipe.execute(raise_on_error=False), strict=True):
+                    owners[i] = keys.as_text(name) if isinstance(name, bytes) else None
+        return owners
+
+    def _last_heartbeats(self, names: list[str]) -> dict[str, Any]:
+        """Each named worker's ``last_heartbeat`` field as Redis returns it (None for a worker hash
+        that is gone, an exception for one of another type), in one round trip."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(layout.worker_key(name), "last_heartbeat")
+            return dict(zip(names, pipe.execute(raise_on_error=False), strict=True))
 
     def _queue_workers(self) -> list[str]:
         """Names of the workers in this queue's RQ registration set (at most ``MAX_QUEUE_WORKERS``)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
@@ -62,44 +63,71 @@ def check_encoded_image(name: str, value: np.ndarray) -> None:
 
 def _walk_jpeg(data: bytes) -> None:
     """Follow the markers from after SOI to EOI; ValueError (or IndexError past the end) says why not."""
-    pos, frame, scans, progressive = 2, None, 0, False
-    quantization: set[int] = set()
-    huffman = {(0, 0), (0, 1), (1, 0), (1, 1)}  # libjpeg-turbo's standard tables, where a JPEG defines none
+    read, pos = _JpegSoFar(), 2
     while True:
-        if data[pos] != 0xFF:
-            raise ValueError(f"byte {pos}: expected a marker, found 0x{data[pos]:02x}")
-        while data[pos] == 0xFF:  # fill bytes before a marker
-            pos += 1
-        marker = data[pos]
-        pos += 1
+        marker, pos = _marker_at(data, pos)
         if marker == _EOI:
-            if not scans:
+            if not read.scans:
                 raise ValueError("no image data before its end marker")
             return
         if marker not in _KNOWN:
             raise ValueError(f"marker 0xff{marker:02x} at byte {pos - 2}, which the decoder does not support")
-        (length,) = struct.unpack_from(">H", data, pos)
-        body = data[pos + 2 : pos + length]
-        if length < 2 or len(body) != length - 2:
-            raise ValueError(f"marker 0xff{marker:02x} at byte {pos - 2} has a bad length")
-        pos += length
+        body, pos = _segment_at(data, pos, marker)
+        pos = read.segment(marker, body, data, pos)
+
+
+def _marker_at(data: bytes, pos: int) -> tuple[int, int]:
+    """The marker at ``pos`` (past its fill bytes) and the position after it; ValueError where no
+    marker begins."""
+    if data[pos] != 0xFF:
+        raise ValueError(f"byte {pos}: expected a marker, found 0x{data[pos]:02x}")
+    while data[pos] == 0xFF:  # fill bytes before a marker
+        pos += 1
+    return data[pos], pos + 1
+
+
+def _segment_at(data: bytes, pos: int, marker: int) -> tuple[bytes, int]:
+    """The body of ``marker``'s segment, whose length field is at ``pos``, and the position after
+    it; ValueError for a length shorter than its field or longer than the bytes left."""
+    (length,) = struct.unpack_from(">H", data, pos)
+    body = data[pos + 2 : pos + length]
+    if length < 2 or len(body) != length - 2:
+        raise ValueError(f"marker 0xff{marker:02x} at byte {pos - 2} has a bad length")
+    return body, pos + length
+
+
+@dataclass
+class _JpegSoFar:
+    """What a walk has read of a JPEG that its later segments are checked against."""
+
+    frame: dict[int, int] | None = None  # each component's quantization table, from the frame header
+    progressive: bool = False
+    scans: int = 0
+    quantization: set[int] = field(default_factory=set)
+    # libjpeg-turbo's standard tables, where a JPEG defines none
+    huffman: set[tuple[int, int]] = field(default_factory=lambda: {(0, 0), (0, 1), (1, 0), (1, 1)})
+
+    def segment(self, marker: int, body: bytes, data: bytes, end: int) -> int:
+        """Check the segment of ``marker`` whose ``body`` ends at ``end`` and take in what it
+        defines; returns where the next marker is (after a scan's image data, for SOS)."""
         if marker in _SOF:
-            if frame is not None:
+            if self.frame is not None:
                 raise ValueError("two frame headers")
-            frame, progressive = _frame(body, marker), marker == 0xC2
+            self.frame, self.progressive = _frame(body, marker), marker == 0xC2
         elif marker == _DQT:
-            quantization |= _quantization_tables(body)
+            self.quantization |= _quantization_tables(body)
         elif marker == _DHT:
-            huffman |= _huffman_tables(body)
+            self.huffman |= _huffman_tables(body)
         elif marker == _DRI:
-            if length != 4:
+            if len(body) != 2:  # a length of 4, its own two bytes included
                 raise ValueError("a restart interval of the wrong length")
         elif marker == _SOS:
-            if frame is None:
+            if self.frame is None:
                 raise ValueError("image data before the frame header")
-            _scan_header(body, frame, quantization, huffman, progressive)
-            scans += 1
-            pos = _end_of_scan(data, pos)
+            _scan_header(body, self.frame, self.quantization, self.huffman, self.progressive)
+            self.scans += 1
+            return _end_of_scan(data, end)
+        return end
 
 
 def _frame(body: bytes, marker: int) -> dict[int, int]:

@@ -107,21 +107,10 @@ def check(
     known (no frame, one too large or not decoding) fails unproven, in the worker's own words."""
     started = taken.started
     job = JobRecord.parse(started.job_id, started.fields)
-    timings: dict[str, float] = {}
-    if job.enqueued_at is not None:
-        timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
-    if batching:
-        timings["batch_wait"] = batch_wait
+    timings = _waits(job, started, batching, batch_wait)
     proof = None
     try:
-        frame = taken.frame
-        if frame is None:
-            raise RequestExpired(
-                f"the request tensors of job {job.job_id} were gone when a worker took it (its ttl passed, or they "
-                "were deleted; a producer of ortq protocol 2 writes them where workers of protocol 3 do not look)"
-            )
-        if isinstance(frame, OrtqError):
-            raise frame
+        frame = _request_frame(taken, job)
         t0 = time.perf_counter()
         limit = settings.max_frame_bytes
         found = knownheaders.known_frame(frame, limit)
@@ -133,29 +122,14 @@ def check(
         else:
             nonce = found[1]
         proof = None if nonce is None else wire.proof_of(model, nonce)
-        if started.oversized is not None:  # not read: what it would have said is unknown
-            raise InvalidJob(f"job field {started.oversized!r} is larger than an ortq job's can be")
-        if job.forbidden is not None:
-            log.error("refusing job %s: %s", job.job_id, job.forbidden)
-            raise UnknownJobFunction(job.forbidden)
-        if job.model != model:
-            raise InvalidJob(f"the job's record names another model than {model!r}, the one this worker serves")
-        waited = timings.get("queue")
-        if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
-            raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
-        verdict: HeaderVerdict | None
+        _check_record(job, started, model, timings.get("queue"))
+        verdict: HeaderVerdict
         if found is None:
             inputs = request.inputs
             verdict = header_verdict(inputs, signature, batching)
         else:
             known = found[0]
-            # The header declares the names, dtypes and shapes that the checks look at: one frame's
-            # verdict is every frame's with it.
-            verdict = None if headers is None else headers.get(known)
-            if verdict is None:
-                verdict = header_verdict(known.inputs(frame), signature, batching)
-                if headers is not None:
-                    headers[known] = verdict
+            verdict = _remembered_verdict(known, frame, signature, batching, headers)
         if isinstance(verdict, Exception):
             return failure(started, job, verdict, timings, proof, settings, served)
         rows, key = verdict
@@ -165,6 +139,65 @@ def check(
     if found is None:
         return Pending(job, started, inputs, timings, rows, proof, key, model, served=served)
     return Pending(job, started, None, timings, rows, proof, key, model, frame, known, served)
+
+
+def _waits(job: JobRecord, started: StartedJob, batching: bool, batch_wait: float) -> dict[str, float]:
+    """The timings known before the request is read: its wait in the queue (from its enqueue to its
+    start, when the record says when it was enqueued) and, when batching, its batch's wait."""
+    timings: dict[str, float] = {}
+    if job.enqueued_at is not None:
+        timings["queue"] = max(0.0, started.started_at.timestamp() - job.enqueued_at.timestamp())
+    if batching:
+        timings["batch_wait"] = batch_wait
+    return timings
+
+
+def _request_frame(taken: Taken, job: JobRecord) -> bytes | bytearray:
+    """The job's request frame: RequestExpired when there was none to read, or the OrtqError the
+    intake failed it with instead of a frame."""
+    frame = taken.frame
+    if frame is None:
+        raise RequestExpired(
+            f"the request tensors of job {job.job_id} were gone when a worker took it (its ttl passed, or they "
+            "were deleted; a producer of ortq protocol 2 writes them where workers of protocol 3 do not look)"
+        )
+    if isinstance(frame, OrtqError):
+        raise frame
+    return frame
+
+
+def _check_record(job: JobRecord, started: StartedJob, model: str, waited: float | None) -> None:
+    """Raise what keeps the job from running by its record alone: a field too large to have been
+    read, a function other than ortq's, another model than ``model``, a wait (``waited`` seconds in
+    the queue) past its ttl."""
+    if started.oversized is not None:  # not read: what it would have said is unknown
+        raise InvalidJob(f"job field {started.oversized!r} is larger than an ortq job's can be")
+    if job.forbidden is not None:
+        log.error("refusing job %s: %s", job.job_id, job.forbidden)
+        raise UnknownJobFunction(job.forbidden)
+    if job.model != model:
+        raise InvalidJob(f"the job's record names another model than {model!r}, the one this worker serves")
+    if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
+        raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
+
+
+def _remembered_verdict(
+    known: knownheaders.KnownHeader,
+    frame: bytes | bytearray,
+    signature: ModelSignature,
+    batching: bool,
+    headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None,
+) -> HeaderVerdict:
+    """The verdict on a request whose header is the remembered ``known``: the one an earlier request
+    of the batch with that header got (``headers``), else worked out from ``frame`` and kept there.
+    The header declares the names, dtypes and shapes that the checks look at: one frame's verdict is
+    every frame's with it."""
+    verdict = None if headers is None else headers.get(known)
+    if verdict is None:
+        verdict = header_verdict(known.inputs(frame), signature, batching)
+        if headers is not None:
+            headers[known] = verdict
+    return verdict
 
 
 def header_verdict(inputs: Tensors, signature: ModelSignature, batching: bool) -> HeaderVerdict:

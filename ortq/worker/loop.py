@@ -54,9 +54,10 @@ from ortq.errors import (
 )
 from ortq.metrics import WorkerMetrics
 from ortq.redisfunctions import ensure_functions
+from ortq.redisurls import redacted_url
 from ortq.replication import Confirm
 from ortq.rqcompat.book import Book, StartedJob
-from ortq.settings import REDIS_DOWN, Settings, redacted_url
+from ortq.settings import REDIS_DOWN, Settings
 from ortq.wire import Layout
 from ortq.worker import jobs
 from ortq.worker.batch import group, split

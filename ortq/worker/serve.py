@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,23 +14,20 @@ from typing import Any
 import redis
 
 from ortq import keys
+from ortq.devices import plugin_ep
+from ortq.devices.adapters import PREFERENCES, select_adapter, unenumerated_dml_options
+from ortq.devices.enumeration import enumerate_adapters
 from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
 from ortq.metrics import WorkerMetrics, open_metrics_port
-from ortq.settings import Settings, redacted_url
-from ortq.worker import custom_ops, plugin_ep, provider_options
-from ortq.worker.adapters import (
-    PREFERENCES,
-    enumerate_adapters,
-    select_adapter,
-    unenumerated_dml_options,
-)
+from ortq.redisurls import redacted_url
+from ortq.settings import Settings
+from ortq.worker import custom_ops, options, provider_options
 from ortq.worker.batch import check_batchable
 from ortq.worker.identity import WorkerIdentity
 from ortq.worker.loop import Worker
+from ortq.worker.options import DEFAULTS
 from ortq.worker.runtime import import_onnxruntime, platform_refusal
 from ortq.worker.session import (
-    AUTO_POLICIES,
-    EXECUTION_PROVIDERS,
     PLUGIN_PROVIDERS,
     LoadedModel,
     SessionPlan,
@@ -40,11 +36,8 @@ from ortq.worker.session import (
     missing_provider,
     warm_up,
 )
-from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 log = logging.getLogger("ortq.worker")
-
-PROVIDER_CHOICES = (*EXECUTION_PROVIDERS, "auto", *PLUGIN_PROVIDERS)
 
 
 @dataclass(frozen=True)
@@ -53,95 +46,53 @@ class WorkerConfig:
 
     model_path: Path
     model_name: str
-    provider: str = "cpu"
-    #: Which adapter (see ortq.worker.adapters.select_adapter); None means adapter index 0 (a plugin
+    provider: str = DEFAULTS["provider"]
+    #: Which adapter (see ortq.devices.adapters.select_adapter); None means adapter index 0 (a plugin
     #: EP's first device that is not the CPU; for webgpu, Dawn's high-performance choice; for winml,
     #: ONNX Runtime's choice by ``policy``).
-    adapter: str | None = None
+    adapter: str | None = DEFAULTS["adapter"]
     #: --provider plugin: the EP's shared library and its ONNX Runtime name (optional where the
     #: library registers one EP); --provider winml: only this EP of Windows ML's catalog.
-    ep_library: str | None = None
-    ep_name: str | None = None
-    allow_cpu_fallback: bool = False
-    policy: str = "prefer-gpu"
-    threads: int | None = None
-    burst: bool = False
-    worker_name: str | None = None
-    skip_canary: bool = False
+    ep_library: str | None = DEFAULTS["ep_library"]
+    ep_name: str | None = DEFAULTS["ep_name"]
+    allow_cpu_fallback: bool = DEFAULTS["allow_cpu_fallback"]
+    policy: str = DEFAULTS["policy"]
+    threads: int | None = DEFAULTS["threads"]
+    burst: bool = DEFAULTS["burst"]
+    worker_name: str | None = DEFAULTS["worker_name"]
+    skip_canary: bool = DEFAULTS["skip_canary"]
     #: Dynamic batching: up to max_batch queued jobs share one run, waiting at most max_wait_ms
     #: for more to arrive after the first. 1 = off.
-    max_batch: int = 1
-    max_wait_ms: float = 0.0
+    max_batch: int = DEFAULTS["max_batch"]
+    max_wait_ms: float = DEFAULTS["max_wait_ms"]
     #: The declaration batching needs: the model computes each row of its outputs from the same
     #: row of its inputs only, so that jobs sharing a run cannot read or change each other's rows.
-    rows_independent: bool = False
+    rows_independent: bool = DEFAULTS["rows_independent"]
     #: Prometheus /metrics and /ready on this port (0: off), bound to metrics_host.
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int = DEFAULTS["metrics_port"]
+    metrics_host: str = DEFAULTS["metrics_host"]
     #: A regular expression matched against run errors that mean the GPU is gone, besides
     #: ortq's own list (ortq.worker.devicelost).
-    device_lost_pattern: str | None = None
+    device_lost_pattern: str | None = DEFAULTS["device_lost_pattern"]
     #: A run that lasts longer is taken as hung: the worker hands on its jobs and exits 75
     #: (ortq.worker.watchdog); 0: never.
-    stall_seconds: float = DEFAULT_STALL_SECONDS
+    stall_seconds: float = DEFAULTS["stall_seconds"]
     #: Seconds a run may take for a job that sets no ``timeout`` of its own (RQ's job timeout); None: no limit.
-    job_timeout: float | None = None
+    job_timeout: float | None = DEFAULTS["job_timeout"]
     #: The version of the model it serves, which every answer names and producers may pin; None:
     #: the model file's digest (file_version).
-    model_version: str | None = None
+    model_version: str | None = DEFAULTS["model_version"]
     #: A custom-op library to register before the session is made: ``onnxruntime_extensions`` (that
     #: package's library) or a shared library's path (ortq.worker.custom_ops).
-    custom_ops: str | None = None
+    custom_ops: str | None = DEFAULTS["custom_ops"]
     #: (key, value) options for the execution provider, after ortq's own (ortq.worker.provider_options).
-    provider_options: tuple[tuple[str, str], ...] = ()
+    provider_options: tuple[tuple[str, str], ...] = DEFAULTS["provider_options"]
 
     def __post_init__(self) -> None:
         keys.check_model_name(self.model_name)
         # Checked (and made a tuple) before anything starts: malformed, duplicated, or one ortq sets itself.
         object.__setattr__(self, "provider_options", provider_options.check(self.provider, self.provider_options))
-        if self.custom_ops is not None and not self.custom_ops.strip():
-            raise ConfigurationError("--custom-ops needs onnxruntime_extensions or the path of a shared library")
-        if self.model_version is not None:
-            keys.check_version_name(self.model_version)
-        if self.device_lost_pattern is not None:
-            try:
-                re.compile(self.device_lost_pattern)
-            except re.error as exc:
-                raise ConfigurationError(f"--device-lost-pattern {self.device_lost_pattern!r}: {exc}") from exc
-        if self.provider not in PROVIDER_CHOICES:
-            raise ConfigurationError(f"unknown provider {self.provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
-        if self.policy not in AUTO_POLICIES:
-            raise ConfigurationError(f"unknown policy {self.policy!r}; choose one of {', '.join(AUTO_POLICIES)}")
-        if self.adapter is not None and self.provider in ("cpu", "auto"):
-            raise ConfigurationError(f"--adapter does not apply to --provider {self.provider}")
-        if (self.provider == "plugin") != (self.ep_library is not None):
-            raise ConfigurationError("--provider plugin needs --ep-library PATH; --ep-library needs --provider plugin")
-        if self.ep_name is not None and self.provider not in ("plugin", "winml"):
-            raise ConfigurationError(f"--ep-name applies to --provider plugin and winml, not {self.provider}")
-        if self.max_batch < 1 or self.max_wait_ms < 0:
-            raise ConfigurationError(
-                f"need max_batch >= 1 and max_wait_ms >= 0, got {self.max_batch}, {self.max_wait_ms}"
-            )
-        if self.max_wait_ms > 0 and self.max_batch == 1:
-            raise ConfigurationError("--max-wait-ms only applies with --max-batch > 1")
-        if self.max_batch > 1 and not self.rows_independent:
-            raise ConfigurationError(
-                "--max-batch joins the rows of several jobs into one run: that is only safe for a model whose "
-                "output rows each depend on the same input row alone (not for one that mixes rows, e.g. "
-                "x - mean(x, axis=0), or gathers rows by an index the job supplies); if each output row of this "
-                "model depends only on the same input row, say so with --rows-independent (docs/pool.md, 'Batching')"
-            )
-        if self.threads is not None and self.threads < 1:
-            raise ConfigurationError(f"threads must be >= 1, got {self.threads}")
-        if self.stall_seconds < 0:
-            raise ConfigurationError(f"--stall-seconds must be >= 0 (0: never), got {self.stall_seconds:g}")
-        if self.job_timeout is not None and self.job_timeout <= 0:
-            raise ConfigurationError(f"--job-timeout must be a positive number of seconds, got {self.job_timeout:g}")
-        if self.job_timeout is not None and 0 < self.stall_seconds <= self.job_timeout:
-            raise ConfigurationError(
-                f"--job-timeout ({self.job_timeout:g} s) must be shorter than --stall-seconds "
-                f"({self.stall_seconds:g} s): a run past the stall limit is taken as hung, and its worker exits"
-            )
+        options.check({field: getattr(self, field) for field in options.BY_FIELD})
 
     def default_worker_name(self) -> str:
         return f"{self.model_name}.{socket.gethostname()}.{os.getpid()}"
@@ -221,7 +172,7 @@ def _resolve_plugin(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPla
         )
         return plan, {**adapter.to_json(), "power_preference": preference, "chosen_by": "Dawn, by power preference"}
     if config.provider == "winml":
-        from ortq.worker import winml
+        from ortq.devices import winml
 
         libraries, choice = winml.resolve_winml(ort, config.adapter, config.ep_name)
         if choice is None:  # ONNX Runtime chooses among the registered EPs by --policy

@@ -10,7 +10,7 @@ Rules from the DirectML guide that shape this module:
   refuses a session whose requested EP took none, and publishes the counts.
 
 Plugin EPs (``webgpu``, ``plugin``, ``winml``) are added to the session options by
-``plugin_ep.add_plugin_provider`` from the plan: their libraries, the EP device, config entries.
+``ortq.devices.plugin_ep.add_plugin_provider`` from the plan: their libraries, the EP device, config entries.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from ortq.devices.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
 from ortq.errors import ConfigurationError, JobTimeout, ModelLoadError, ProviderUnavailable
 from ortq.signature import Dim, ModelSignature, TensorSpec
 from ortq.worker import custom_ops, encoded_images, provider_options
 from ortq.worker.canary import compare_with_cpu  # also imported from here by bench/ and tests
 from ortq.worker.deadline import RunDeadline
-from ortq.worker.plugin_ep import RECORD_ASSIGNMENT, add_plugin_provider, ep_failure, node_placement
 from ortq.worker.runtime import import_onnxruntime, install_advice, installed_runtimes, platform_refusal
 
 log = logging.getLogger("ortq.worker")
@@ -41,7 +41,7 @@ EXECUTION_PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "cpu": "CPUExecutionProvider",
 }
-#: Providers reached through ONNX Runtime's plugin-EP API (plugin_ep.py, winml.py).
+#: Providers reached through ONNX Runtime's plugin-EP API (ortq/devices/plugin_ep.py, winml.py).
 PLUGIN_PROVIDERS = ("webgpu", "plugin", "winml")
 
 #: ONNX tensor element types ortq carries, as ONNX Runtime spells them, to numpy dtype names.
@@ -301,17 +301,31 @@ def _create(ort: Any, model_path: Path, plan: SessionPlan) -> tuple[Any, str]:
             raise
         return None, str(exc)
     except Exception as exc:  # ONNX Runtime raises its own exception types from C++
-        advice = custom_ops.unregistered_op_advice(str(exc), plan.custom_ops)
-        if advice is not None:  # the model's fault on any provider: no CPU fallback would load it either
-            raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {advice}") from exc
-        rejected = provider_options.refused_by_runtime(str(exc), plan.user_options)
-        if rejected is not None:  # the user's option, wrong on any adapter: not a provider to fall back from
-            raise rejected from exc
-        if plan.provider == "cpu":
-            raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
-        if plan.provider in PLUGIN_PROVIDERS:
-            return None, f"{_unavailable_reason(ort, plan)}: {ep_failure(plan.provider, str(exc))}"
-        return None, f"{_unavailable_reason(ort, plan)} ({exc})"
+        return None, _creation_failure(ort, model_path, plan, exc)
+    return _checked_provider(ort, session, plan)
+
+
+def _creation_failure(ort: Any, model_path: Path, plan: SessionPlan, exc: Exception) -> str:
+    """Why the plan's provider cannot be used here, from ONNX Runtime's error ``exc`` in creating the
+    session; raises instead where no other provider would do better: a custom op no library
+    registers, a provider option ONNX Runtime refused, a model the CPU cannot load."""
+    advice = custom_ops.unregistered_op_advice(str(exc), plan.custom_ops)
+    if advice is not None:  # the model's fault on any provider: no CPU fallback would load it either
+        raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {advice}") from exc
+    rejected = provider_options.refused_by_runtime(str(exc), plan.user_options)
+    if rejected is not None:  # the user's option, wrong on any adapter: not a provider to fall back from
+        raise rejected from exc
+    if plan.provider == "cpu":
+        raise ModelLoadError(f"ONNX Runtime could not load {model_path}: {exc}") from exc
+    if plan.provider in PLUGIN_PROVIDERS:
+        return f"{_unavailable_reason(ort, plan)}: {ep_failure(plan.provider, str(exc))}"
+    return f"{_unavailable_reason(ort, plan)} ({exc})"
+
+
+def _checked_provider(ort: Any, session: Any, plan: SessionPlan) -> tuple[Any, str]:
+    """The new ``session`` (None where it is on another EP than the plan's) and why it cannot serve
+    (empty when it can): it is on another EP (for auto or winml by policy: on the CPU), or its EP
+    took none of the model's nodes."""
     actual = session.get_providers()[0]
     wanted = plan.wanted_ep
     if wanted is None:  # auto, or winml by policy

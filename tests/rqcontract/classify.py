@@ -118,18 +118,8 @@ def _classify_text(text: str, ids: Identifiers) -> Value:
         return Value("iso-utc")
     if _OTHER_ISO.fullmatch(text):
         return Value("iso-other", re.sub(r"\d", "9", text))
-    if _INT.fullmatch(text):
-        number = int(text)
-        if _EPOCH[0] <= abs(number) < _EPOCH[1]:
-            return Value("epoch-int")
-        if _EPOCH_MS[0] <= abs(number) < _EPOCH_MS[1]:
-            return Value("epoch-ms-int")
-        return Value("int", text)
-    if _FLOAT.fullmatch(text):
-        number_f = float(text)
-        if math.isfinite(number_f) and _EPOCH[0] <= abs(number_f) < _EPOCH[1]:
-            return Value("epoch-float")
-        return Value("float")
+    if (number := _number_value(text)) is not None:
+        return number
     if text[:1] in "[{":
         try:
             return Value("json", _structure_detail(json.loads(text), ids))
@@ -143,6 +133,24 @@ def _classify_text(text: str, ids: Identifiers) -> Value:
     if len(normalized) > _TEXT_DETAIL_LIMIT:
         return Value("text", f"{len(normalized)} chars")
     return Value("text", normalized)
+
+
+def _number_value(text: str) -> Value | None:
+    """The class of an integer or a float written as text, a time since the epoch (in seconds, or
+    an integer's milliseconds) told apart; None for text that is no number."""
+    if _INT.fullmatch(text):
+        number = int(text)
+        if _EPOCH[0] <= abs(number) < _EPOCH[1]:
+            return Value("epoch-int")
+        if _EPOCH_MS[0] <= abs(number) < _EPOCH_MS[1]:
+            return Value("epoch-ms-int")
+        return Value("int", text)
+    if _FLOAT.fullmatch(text):
+        number_f = float(text)
+        if math.isfinite(number_f) and _EPOCH[0] <= abs(number_f) < _EPOCH[1]:
+            return Value("epoch-float")
+        return Value("float")
+    return None
 
 
 def _classify_binary(raw: bytes, ids: Identifiers) -> Value:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -153,33 +153,57 @@ def _execution_ids(connection: redis.Redis, keys: list[str], job_ids: Iterable[s
     """Execution id -> placeholder, numbered per job by first sighting (oldest first)."""
     jobs = set(job_ids)
     seen: dict[str, tuple[str, float]] = {}  # exec id -> (job id, time first seen)
-
-    def saw(job: str, exec_id: str, when: float = float("inf")) -> None:
-        if job in jobs and exec_id and (exec_id not in seen or when < seen[exec_id][1]):
-            seen[exec_id] = (job, when)
-
     for key in keys:
-        kind = _type(connection, key)
-        if m := _EXECUTION_KEY.fullmatch(key):
-            created = _hash(connection, key).get(b"created_at") if kind == "hash" else None
-            try:
-                when = float(created) if created else float("inf")
-            except ValueError:
-                when = float("inf")
-            saw(m["job"], m["exec"], when)
-        if (m := _RESULTS_KEY.fullmatch(key)) and kind == "stream":
-            for entry_id, entry in _stream(connection, key):
-                if raw_exec := entry.get(b"execution_id"):
-                    saw(m["job"], _text(raw_exec), int(entry_id.split("-")[0]) / 1000)
-        if kind in ("set", "zset"):
-            members = _members(connection, key, kind) if kind == "set" else [m for m, _ in _zset(connection, key)]
-            executions_of = m["job"] if (m := _EXECUTIONS_KEY.fullmatch(key)) and kind == "zset" else None
-            for member in members:
-                if executions_of is not None:
-                    saw(executions_of, _text(member))
-                job, colon, exec_id = _text(member).rpartition(":")
-                if colon:
-                    saw(job, exec_id)
+        for job, exec_id, when in _sightings(connection, key):
+            if job in jobs and exec_id and (exec_id not in seen or when < seen[exec_id][1]):
+                seen[exec_id] = (job, when)
+    return _numbered(seen)
+
+
+#: A sighting of an execution: (job id, execution id, when it was made, inf where unknown).
+Sighting = tuple[str, str, float]
+
+
+def _sightings(connection: redis.Redis, key: str) -> Iterator[Sighting]:
+    """The executions ``key`` shows: in its name (an execution hash: made at its ``created_at``), in
+    its entries (a results stream: at each entry's time), in its members (``<job>:<exec>``, or the
+    execution ids of an executions index)."""
+    kind = _type(connection, key)
+    if m := _EXECUTION_KEY.fullmatch(key):
+        yield m["job"], m["exec"], _created_at(connection, key, kind)
+    if (m := _RESULTS_KEY.fullmatch(key)) and kind == "stream":
+        for entry_id, entry in _stream(connection, key):
+            if raw_exec := entry.get(b"execution_id"):
+                yield m["job"], _text(raw_exec), int(entry_id.split("-")[0]) / 1000
+    if kind in ("set", "zset"):
+        yield from _member_sightings(connection, key, kind)
+
+
+def _created_at(connection: redis.Redis, key: str, kind: str) -> float:
+    """An execution hash's ``created_at`` (epoch seconds); inf where it has none that reads."""
+    created = _hash(connection, key).get(b"created_at") if kind == "hash" else None
+    try:
+        return float(created) if created else float("inf")
+    except ValueError:
+        return float("inf")
+
+
+def _member_sightings(connection: redis.Redis, key: str, kind: str) -> Iterator[Sighting]:
+    """The executions a set or sorted set names: members ``<job>:<exec>`` (a registry), and every
+    member of an executions index (``...:executions:<job>``), all at an unknown time."""
+    members = _members(connection, key, kind) if kind == "set" else [m for m, _ in _zset(connection, key)]
+    executions_of = m["job"] if (m := _EXECUTIONS_KEY.fullmatch(key)) and kind == "zset" else None
+    for member in members:
+        if executions_of is not None:
+            yield executions_of, _text(member), float("inf")
+        job, colon, exec_id = _text(member).rpartition(":")
+        if colon:
+            yield job, exec_id, float("inf")
+
+
+def _numbered(seen: Mapping[str, tuple[str, float]]) -> dict[str, str]:
+    """Execution id -> placeholder: ``<exec>`` for a job's only one, else ``<exec1>``, ``<exec2>``...
+    in the order they were first seen."""
     per_job: dict[str, list[tuple[float, str]]] = {}
     for exec_id, (job, when) in seen.items():
         per_job.setdefault(job, []).append((when, exec_id))
@@ -265,11 +289,6 @@ def diff(ours: Snapshot, theirs: Snapshot, allowed: Mapping[str, str] | None = N
     allowance cannot outlive its reason.
     """
     found: list[tuple[str, str]] = []
-
-    def differ(location: str, a: object, b: object) -> None:
-        if a != b:
-            found.append((location, f"ours {a}, theirs {b}"))
-
     for key in sorted(ours.records.keys() | theirs.records.keys()):
         a, b = ours.records.get(key), theirs.records.get(key)
         if a is None or b is None:
@@ -277,28 +296,45 @@ def diff(ours: Snapshot, theirs: Snapshot, allowed: Mapping[str, str] | None = N
             assert present is not None
             found.append((key, f"only in {'ours' if a else 'theirs'}: {'; '.join(x.strip() for x in present.lines())}"))
             continue
-        differ(f"{key} type", a.type, b.type)
-        if a.type != b.type:
-            continue
-        differ(f"{key} ttl", a.ttl, b.ttl)
-        _compare_maps(f"{key} field", a.fields, b.fields, differ)
-        if a.type == "list":
-            differ(f"{key} members", list(a.members), list(b.members))
-        else:
-            for member in sorted(set(a.members) ^ set(b.members)):
-                found.append((f"{key} member {member}", f"only in {'ours' if member in a.members else 'theirs'}"))
-        for member in sorted(a.scores.keys() - b.scores.keys()):
-            found.append((f"{key} member {member}", f"only in ours (score {a.scores[member]})"))
-        for member in sorted(b.scores.keys() - a.scores.keys()):
-            found.append((f"{key} member {member}", f"only in theirs (score {b.scores[member]})"))
-        for member in sorted(a.scores.keys() & b.scores.keys()):
-            differ(f"{key} score {member}", a.scores[member], b.scores[member])
-        differ(f"{key} entries", len(a.entries), len(b.entries))
-        for n, (entry_a, entry_b) in enumerate(zip(a.entries, b.entries, strict=False)):
-            _compare_maps(f"{key} entry {n} field", entry_a, entry_b, differ)
-        differ(f"{key} value", a.value, b.value)
+        found += _record_differences(key, a, b)
+    return _not_allowed(found, allowed or {}, report_unused)
 
-    allowed = allowed or {}
+
+def _record_differences(key: str, a: Record, b: Record) -> list[tuple[str, str]]:
+    """(location, what differs) for each difference between ``key``'s two records: its type (and
+    then nothing else), ttl, fields, members, scores, stream entries, value."""
+    found: list[tuple[str, str]] = []
+
+    def differ(location: str, a: object, b: object) -> None:
+        if a != b:
+            found.append((location, f"ours {a}, theirs {b}"))
+
+    differ(f"{key} type", a.type, b.type)
+    if a.type != b.type:
+        return found
+    differ(f"{key} ttl", a.ttl, b.ttl)
+    _compare_maps(f"{key} field", a.fields, b.fields, differ)
+    if a.type == "list":
+        differ(f"{key} members", list(a.members), list(b.members))
+    else:
+        for member in sorted(set(a.members) ^ set(b.members)):
+            found.append((f"{key} member {member}", f"only in {'ours' if member in a.members else 'theirs'}"))
+    for member in sorted(a.scores.keys() - b.scores.keys()):
+        found.append((f"{key} member {member}", f"only in ours (score {a.scores[member]})"))
+    for member in sorted(b.scores.keys() - a.scores.keys()):
+        found.append((f"{key} member {member}", f"only in theirs (score {b.scores[member]})"))
+    for member in sorted(a.scores.keys() & b.scores.keys()):
+        differ(f"{key} score {member}", a.scores[member], b.scores[member])
+    differ(f"{key} entries", len(a.entries), len(b.entries))
+    for n, (entry_a, entry_b) in enumerate(zip(a.entries, b.entries, strict=False)):
+        _compare_maps(f"{key} entry {n} field", entry_a, entry_b, differ)
+    differ(f"{key} value", a.value, b.value)
+    return found
+
+
+def _not_allowed(found: list[tuple[str, str]], allowed: Mapping[str, str], report_unused: bool) -> list[str]:
+    """The lines of the differences ``found`` that no pattern of ``allowed`` matches, then (with
+    ``report_unused``) one for each pattern that matched none."""
     used: set[str] = set()
     lines = []
     for location, text in found:

@@ -403,7 +403,7 @@ def test_invalid_input_fails_remotely_then_the_worker_serves(served: dict[str, S
 
 # ------------------------------------------------------------------------------------ 5. adapters
 
-#: DXGI through ctypes, written here independently of ortq/worker/dxgi.py, to check what
+#: DXGI through ctypes, written here independently of ortq/devices/dxgi.py, to check what
 #: `ortq adapters` reports: name, LUID (HighPart << 32 | LowPart), vendor and device ids.
 _DXGI = r"""
 import ctypes, json

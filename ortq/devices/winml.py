@@ -13,7 +13,7 @@ not prepared, NotPresent: not downloaded) and a certification. ortq:
 3. chooses the device among every non-CPU ``OrtEpDevice`` then listed (the registered EPs' and
    the built-in DirectML's) by the ``--adapter`` spec, or, without one, leaves the choice to ONNX
    Runtime's ``--policy`` (:func:`choose_device`);
-4. the session is then checked like every other (session.py): never silently on the CPU.
+4. the session is then checked like every other (ortq/worker/session.py): never silently on the CPU.
 
 Steps 1 and 3 are plain functions of recorded data, tested on recorded catalogs; steps 2 and 4
 need Windows with the Windows App SDK runtime (docs/adapters.md says what was verified where).
@@ -26,15 +26,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ortq.errors import AdapterNotFound, ProviderUnavailable
-from ortq.worker.adapters import Adapter, select_adapter
-from ortq.worker.plugin_ep import (
+from ortq.devices.adapters import Adapter, select_adapter
+from ortq.devices.plugin_ep import (
     EpDeviceInfo,
     adapter_from_ep_device,
     default_plugin_adapter,
     ep_device_info,
     register_library,
 )
+from ortq.errors import AdapterNotFound, ProviderUnavailable
 
 log = logging.getLogger("ortq.worker")
 

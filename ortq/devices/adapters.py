@@ -1,4 +1,4 @@
-"""Which adapters a worker could use, and which one an ``--adapter`` spec means.
+"""What an adapter is, the rows DXGI, NVML and the CPU give, and which one an ``--adapter`` spec means.
 
 Adapter indices follow the system's enumeration order, which differs between machines and
 changes when adapters come and go; ortq resolves a spec (name, LUID/UUID, kind, preference,
@@ -10,20 +10,19 @@ matches no adapter or several.
 - CUDA: NVIDIA's NVML binding (``nvidia-ml-py``), in PCI bus order, renumbered through
   ``CUDA_VISIBLE_DEVICES``; the worker sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA numbers
   devices the same way.
-- WebGPU (``onnxruntime-ep-webgpu`` installed): the GPUs its Dawn picks from (``plugin_ep.py``).
-- Plugin EPs (``--ep-library``): the devices ONNX Runtime's ``get_ep_devices()`` gives them.
 - CPU: always one row.
+
+WebGPU's and plugin EPs' rows are made from their EP devices in ``plugin_ep.py``, which builds on
+this module; ``enumeration.py`` lists every source together.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from ortq import tables
@@ -75,7 +74,7 @@ def _parse_int(text: str) -> int:
 
 
 def _dxgi_adapters(ort_devices: list[dict[str, str]] | None) -> list[Adapter]:
-    from ortq.worker import dxgi
+    from ortq.devices import dxgi
 
     raw = dxgi.enumerate_dxgi()
     high = dxgi.preference_order(dxgi.DXGI_GPU_PREFERENCE_HIGH_PERFORMANCE)
@@ -170,7 +169,8 @@ def visible_cuda_order(nvml_uuids: Sequence[str], visible: str | None) -> list[i
     return order
 
 
-def _nvml_adapters() -> list[Adapter]:
+def nvml_adapters() -> list[Adapter]:
+    """The NVIDIA GPUs NVML lists, numbered as CUDA will number them; none without nvidia-ml-py or a driver."""
     try:
         import pynvml
     except ImportError:
@@ -213,7 +213,8 @@ def _nvml_adapters() -> list[Adapter]:
     ]
 
 
-def _cpu_adapter() -> Adapter:
+def cpu_adapter() -> Adapter:
+    """The one CPU row: its model name and the machine's memory."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -224,55 +225,6 @@ def _cpu_adapter() -> Adapter:
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Adapter(provider="cpu", index=None, name=name or "CPU", kind="cpu", memory_bytes=memory)
-
-
-def _webgpu_adapters(notes: list[str]) -> list[Adapter]:
-    from ortq.errors import OrtqError
-    from ortq.worker import plugin_ep
-
-    if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
-        notes.append("no WebGPU adapters listed: onnxruntime-ep-webgpu is not installed (pip install 'ortq[webgpu]')")
-        return []
-    try:
-        if platform.system() == "Linux":
-            return plugin_ep.vulkan_adapters()
-        import onnxruntime
-
-        plugin_ep.register_webgpu(onnxruntime)
-        return plugin_ep.webgpu_adapters(onnxruntime)
-    except OrtqError as exc:
-        notes.append(f"WebGPU adapters not enumerated: {exc}")
-        return []
-
-
-def _plugin_adapters(library: str, ep_name: str | None) -> list[Adapter]:
-    """The devices of the plugin EP(s) in ``library`` (only ``ep_name``'s when given)."""
-    import onnxruntime
-
-    from ortq.worker import plugin_ep
-
-    added = plugin_ep.register_library(onnxruntime, library, ep_name or Path(library).stem)
-    names = [ep_name] if ep_name else added
-    return [a for name in names for a in plugin_ep.plugin_adapters(onnxruntime, name, "plugin")]
-
-
-def enumerate_adapters(ep_library: str | None = None, ep_name: str | None = None) -> tuple[list[Adapter], list[str]]:
-    """Every adapter found, and notes on what could not be enumerated (never raises, except for
-    an ``ep_library`` that cannot be registered: that one was asked for by name)."""
-    adapters: list[Adapter] = []
-    notes: list[str] = []
-    try:
-        adapters += _dxgi_adapters(ort_dml_device_metadata())
-    except OSError as exc:
-        notes.append(f"DirectML adapters not enumerated: {exc}")
-    adapters += _nvml_adapters()
-    if not any(a.provider == "cuda" for a in adapters):
-        notes.append("no CUDA devices (no NVIDIA driver, no GPU visible, or nvidia-ml-py not installed)")
-    adapters += _webgpu_adapters(notes)
-    if ep_library is not None:
-        adapters += _plugin_adapters(ep_library, ep_name)
-    adapters.append(_cpu_adapter())
-    return adapters, notes
 
 
 # --------------------------------------------------------------------------- selection
@@ -328,31 +280,37 @@ def select_adapter(spec: str, adapters: Sequence[Adapter], provider: str) -> Ada
         if not candidates:
             raise AdapterNotFound(explain(f"no {provider} adapter for {spec!r}", adapters))
         return _by_preference(candidates, low)
-    if spec.isdigit():
-        matches = [a for a in candidates if a.index == int(spec)]
-    elif low.startswith("luid:"):
-        try:
-            wanted = _parse_int(spec[5:])
-        except ValueError:
-            raise ConfigurationError(f"bad LUID in {spec!r}: use luid:0x<hex> or luid:<decimal>") from None
-        matches = [a for a in candidates if a.luid is not None and int(a.luid, 16) == wanted]
-    elif low.startswith("uuid:"):
-        matches = [a for a in candidates if a.uuid and a.uuid.lower().startswith(low[5:])]
-    elif low.startswith("name:"):
-        matches = [a for a in candidates if low[5:] in a.name.lower()]
-    elif low in KINDS:
-        matches = [a for a in candidates if a.kind == low]
-    else:
-        raise ConfigurationError(
-            f"unknown adapter spec {spec!r}: use an index, luid:..., uuid:..., name:..., "
-            "discrete, integrated, npu, software, cpu, high-performance or minimum-power"
-        )
+    matches = _matching(spec, candidates)
     if not matches:
         raise AdapterNotFound(explain(f"no {provider} adapter matches {spec!r}", adapters))
     if len(matches) > 1:
         message = f"{len(matches)} {provider} adapters match {spec!r}; be more specific"
         raise AmbiguousAdapter(explain(message, adapters))
     return matches[0]
+
+
+def _matching(spec: str, candidates: Sequence[Adapter]) -> list[Adapter]:
+    """The ``candidates`` that a (stripped) spec other than a preference names: by index, LUID,
+    UUID prefix, name substring or kind. ConfigurationError for a spec of none of those forms."""
+    low = spec.lower()
+    if spec.isdigit():
+        return [a for a in candidates if a.index == int(spec)]
+    if low.startswith("luid:"):
+        try:
+            wanted = _parse_int(spec[5:])
+        except ValueError:
+            raise ConfigurationError(f"bad LUID in {spec!r}: use luid:0x<hex> or luid:<decimal>") from None
+        return [a for a in candidates if a.luid is not None and int(a.luid, 16) == wanted]
+    if low.startswith("uuid:"):
+        return [a for a in candidates if a.uuid and a.uuid.lower().startswith(low[5:])]
+    if low.startswith("name:"):
+        return [a for a in candidates if low[5:] in a.name.lower()]
+    if low in KINDS:
+        return [a for a in candidates if a.kind == low]
+    raise ConfigurationError(
+        f"unknown adapter spec {spec!r}: use an index, luid:..., uuid:..., name:..., "
+        "discrete, integrated, npu, software, cpu, high-performance or minimum-power"
+    )
 
 
 def explain(message: str, adapters: Sequence[Adapter]) -> str:

@@ -5,7 +5,7 @@ then offers devices (``get_ep_devices()``: an ``OrtEpDevice`` per hardware devic
 with ONNX Runtime's metadata about that device), and a session uses one through
 ``SessionOptions.add_provider_for_devices``. ortq resolves ``--adapter`` against those devices
 as it does against DXGI's or NVML's, and the session is then checked like any other: the EP
-ONNX Runtime created, and how many of the model's nodes it took (session.py).
+ONNX Runtime created, and how many of the model's nodes it took (ortq/worker/session.py).
 
 - ``--provider plugin --ep-library PATH --ep-name NAME``: any plugin EP (OpenVINO, TensorRT RTX,
   QNN, ...); its devices are the adapters.
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
-from ortq.worker.adapters import (
+from ortq.devices.adapters import (
     DISCRETE_MIN_BYTES,
     PREFERENCES,
     Adapter,
@@ -36,6 +35,7 @@ from ortq.worker.adapters import (
     format_luid,
     select_adapter,
 )
+from ortq.errors import AdapterNotFound, ConfigurationError, ProviderUnavailable
 
 log = logging.getLogger("ortq.worker")
 
@@ -237,7 +237,7 @@ WEBGPU_ADVICE = "The WebGPU EP needs onnxruntime >= 1.24.4: pip install --upgrad
 def vulkan_adapters() -> list[Adapter]:
     """The Vulkan devices Dawn will choose from on Linux, as ``webgpu`` adapters; ProviderUnavailable
     naming what to install when there is no loader or no driver."""
-    from ortq.worker import vulkan
+    from ortq.devices import vulkan
 
     install = (
         "Install the Vulkan loader and a driver: on Debian/Ubuntu `apt install libvulkan1` and the GPU's Vulkan "
@@ -330,7 +330,7 @@ def resolve_webgpu(spec: str | None, adapters: Sequence[Adapter]) -> tuple[Adapt
 
 def add_plugin_provider(ort: Any, options: Any, plan: Any) -> None:
     """Register ``plan``'s libraries and give ``options`` its EP device, provider options and
-    session config entries (``plan`` is a session.SessionPlan of a plugin provider)."""
+    session config entries (``plan`` is an ortq.worker.session.SessionPlan of a plugin provider)."""
     for name, library in plan.libraries:
         register_library(ort, library, name, WEBGPU_ADVICE if plan.provider == "webgpu" else "")
     for key, value in plan.config_entries:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import zlib
 from base64 import b64encode
@@ -372,7 +373,8 @@ class Book:
             started.started_at.timestamp(),
             (ended - started.started_at).total_seconds(),
             "" if retry is None else "now" if retry.at is None else "at",
-            "" if retry is None or retry.at is None else int(retry.at),
+            # Whole seconds (RQ's scheduled registry), rounded up: a retry never runs before its backoff.
+            "" if retry is None or retry.at is None else math.ceil(retry.at),
             "" if retry is None else retry.retries_left,
             "" if retry is None else retry.ttl,
             status,

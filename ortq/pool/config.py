@@ -8,6 +8,7 @@ file, the table and the key (see docs/pool.md for the format).
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -274,21 +275,22 @@ def _group(table: Table, model_options: dict[str, Any], base_dir: Path) -> Worke
     table.finish()
     if group.count == 0:
         raise table.error("count is missing (how many workers)")
-    merged = dict(model_options.get("provider_options", ()))
-    merged.update(group.provider_options)
-    _check(table, {**model_options, "adapter": group.adapter, "provider_options": tuple(merged.items())})
+    _check(table, group_options(model_options, group))
     return group
 
 
 def _check(table: Table, values: dict[str, Any]) -> None:
     """``values`` (worker options) checked as ``ortq worker`` checks them, the error in ``table``'s name."""
     try:
-        provider_options.check(values.get("provider", "cpu"), values.get("provider_options", ()))
+        provider = values.get("provider", worker_options.DEFAULTS["provider"])
+        provider_options.check(provider, values.get("provider_options", ()))
         worker_options.check(values, Spelling(on_command_line=False))
     except ConfigurationError as exc:
         raise table.error(str(exc)) from None
 
 
-def group_provider_options(model: ModelConfig, group: WorkerGroup) -> Env:
-    """What a group's workers get as --provider-option: the model's, then the group's (which win)."""
-    return tuple({**dict(model.option("provider_options")), **dict(group.provider_options)}.items())
+def group_options(model_options: Mapping[str, Any], group: WorkerGroup) -> dict[str, Any]:
+    """The ``ortq worker`` options (field to value) a group's workers get: their model's, the group's
+    adapter, and as provider options the model's and then the group's (which win, key by key)."""
+    merged = {**dict(model_options.get("provider_options", ())), **dict(group.provider_options)}
+    return {**model_options, "adapter": group.adapter, "provider_options": tuple(merged.items())}

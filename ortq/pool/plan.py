@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ortq.devices.adapters import Adapter
 from ortq.errors import AdapterNotFound, ConfigurationError
-from ortq.pool.config import RESERVED_ENV, ModelConfig, PoolConfig, WorkerGroup, group_provider_options
+from ortq.pool.config import RESERVED_ENV, ModelConfig, PoolConfig, WorkerGroup, group_options
 from ortq.pool.devices import PluginDevices, candidates, choose
 from ortq.pool.measure import SessionFootprint, measure_session
 from ortq.pool.tomltable import Env
@@ -313,11 +313,8 @@ def worker_arguments(placement: Placement, metrics_port: int = 0, metrics_host: 
     """``ortq worker``'s arguments for one worker of ``placement``: its model's options, its group's
     adapter and provider options, its metrics port (ortq.worker.options.command_line writes them)."""
     model = placement.model
-    given = {
-        **dict(model.options),
-        "adapter": placement.adapter_arg or None,
-        "provider_options": group_provider_options(model, placement.group),
-    }
+    given = group_options(dict(model.options), placement.group)
+    given["adapter"] = placement.adapter_arg or None  # the spec as planned (a stable one), not as written
     if metrics_port:
         given.update(metrics_port=metrics_port, metrics_host=metrics_host)
     return ["--model", str(model.path), "--name", model.name, *worker_options.command_line(given)]

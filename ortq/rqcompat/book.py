@@ -382,13 +382,12 @@ class Book:
         reply, confirmed = self._pipelined("fail", args, after=self.confirm.queue)
         if isinstance(reply, Exception):
             raise reply
-        if reply:
-            self._unconfirmed.add(started.execution_id)
+        written = bool(reply) or started.execution_id in self._unconfirmed
+        if written:
+            self._unconfirmed.add(started.execution_id)  # until a replica has it
         self.confirm.check(confirmed)
-        if started.execution_id in self._unconfirmed:
-            self._unconfirmed.discard(started.execution_id)
-            return True
-        return False
+        self._unconfirmed.discard(started.execution_id)
+        return written
 
     def reject(self, skipped: Skipped, error: bytes, ttl: int) -> None:
         """Answer ``error`` to a job id whose job key is no hash (Skipped.answerable), unless it

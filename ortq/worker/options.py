@@ -5,7 +5,7 @@ variable, ``pool.toml`` key, type, bounds, default and help. The worker command'
 (:func:`command_line`) and the variables a pool's env tables may not set (:func:`pool_sets`) are all
 made from :data:`OPTIONS`; tests/test_worker_options.py round-trips each option through them.
 
-Kept free of ONNX Runtime and numpy: ``ortq --help`` and ``ortq pool`` import it.
+Kept free of ONNX Runtime: ``ortq --help`` and ``ortq pool`` import it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 
 import click
 
+from ortq import keys
 from ortq.errors import ConfigurationError
+from ortq.worker import custom_ops, provider_options
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS
 
 #: ``--provider`` values (ortq.worker.session maps each to ONNX Runtime's EP, or to a plugin EP).
@@ -210,8 +212,6 @@ def _click_type(option: Option) -> Any:
 def from_command_line(values: dict[str, Any]) -> dict[str, Any]:
     """The worker command's parsed values as WorkerConfig's keyword arguments: ``--device-id N``
     made ``--adapter N`` (both given: a usage error), provider options parsed, paths made so."""
-    from ortq.worker import provider_options
-
     values = dict(values)
     device_id = values.pop("device_id", None)
     if device_id is not None:
@@ -283,11 +283,8 @@ def _read(table: Any, option: Option, base_dir: Path, level: Level) -> Any:
     text = table.string(key, None, option.choices)
     if text is None or option.kind in (Kind.TEXT, Kind.CHOICE):
         return text
-    if option.kind is Kind.LIBRARY:
-        from ortq.worker.custom_ops import PACKAGES
-
-        if text in PACKAGES:
-            return text
+    if option.kind is Kind.LIBRARY and text in custom_ops.PACKAGES:
+        return text
     return str((base_dir / text).resolve())
 
 
@@ -388,8 +385,6 @@ def _check_time_limits(get: Get, say: Spelling) -> None:
 
 
 def _check_texts(get: Get, say: Spelling) -> None:
-    from ortq import keys
-
     if get("model_version") is not None:
         keys.check_version_name(get("model_version"))
     pattern = get("device_lost_pattern")

@@ -256,8 +256,34 @@ def connect(url: str, **connection_kwargs: Any) -> redis.Redis:
     )
     kwargs = parsed.primary_kwargs()
     kwargs["connection_class"] = PrimarySSLConnection if kwargs.pop("ssl", False) else PrimaryConnection
-    client: redis.Redis = sentinel.master_for(parsed.service, redis_class=redis.Redis, **kwargs)
+    client: redis.Redis = sentinel.master_for(parsed.service, redis_class=PrimaryClient, **kwargs)
     return client
+
+
+class PrimaryClient(redis.Redis):
+    """A client of a Sentinel group's primary whose ``close`` closes the sentinels' clients too:
+    redis-py leaves those (one connection to each sentinel that was asked) open until they are
+    garbage-collected, and before 8.2 has no call that closes them."""
+
+    def close(self) -> None:
+        super().close()
+        for client in _sentinel_clients(self.connection_pool):
+            client.close()
+
+
+class AsyncPrimaryClient(redis.asyncio.Redis):
+    """:class:`PrimaryClient` for redis.asyncio. Two clients may share the sentinels
+    (``async_primary``): closing one closes them, and the other's next question reopens them."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for client in _sentinel_clients(self.connection_pool):
+            await client.aclose()
+
+
+def _sentinel_clients(pool: object) -> list[Any]:
+    manager = getattr(pool, "sentinel_manager", None)
+    return list(getattr(manager, "sentinels", []))
 
 
 class BlockingSentinelPool(redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool):
@@ -285,7 +311,7 @@ def async_primary(
     another size, sharing the sentinels' clients)."""
     client: redis.asyncio.Redis = sentinel.master_for(
         service,
-        redis_class=redis.asyncio.Redis,
+        redis_class=AsyncPrimaryClient,
         connection_pool_class=BlockingSentinelPool,
         max_connections=max_connections,
         timeout=None,

@@ -17,9 +17,16 @@ from tests.cli_support import Result, invoke
 from tests.conftest import WorkerProcesses
 from tests.test_cli import ortq
 
+
+#: click 8.1 words an unknown option "No such option: --jsn", 8.2 and later "No such option '--jsn'"
+#: (ortq passes click's words on): either is the line's start.
+def _no_such_option(name: str) -> re.Pattern[str]:
+    return re.compile(f"No such option(: {name}| '{name}')")
+
+
 #: A bad use of each command, and the command whose --help the line points to.
-MISUSES = [
-    (["--bogus"], "ortq", "No such option '--bogus'"),
+MISUSES: list[tuple[list[str], str, str | re.Pattern[str]]] = [
+    (["--bogus"], "ortq", _no_such_option("--bogus")),
     (["bogus"], "ortq", "No such command 'bogus'"),
     (["worker", "--name", "m"], "ortq worker", "Missing option '--model'"),
     (["worker", "--model", "m.onnx", "--name", "m", "--provider", "gpu"], "ortq worker",
@@ -27,7 +34,7 @@ MISUSES = [
     (["worker", "--model", "m.onnx", "--name", "m", "--adapter", "0", "--device-id", "0"], "ortq worker",
      "give --adapter or --device-id, not both"),
     (["adapters", "--ep-name", "X"], "ortq adapters", "--ep-name needs --ep-library"),
-    (["info", "--jsn"], "ortq info", "No such option '--jsn'"),
+    (["info", "--jsn"], "ortq info", _no_such_option("--jsn")),
     (["stop"], "ortq stop", "say which workers: --model, --worker and/or --host"),
     (["stop", "--model", "m", "--wait", "-1"], "ortq stop", "Invalid value for '--wait'"),
     (["demo", "--workers", "9"], "ortq demo", "Invalid value for '--workers'"),
@@ -51,8 +58,9 @@ def test_version_prints_the_package_version() -> None:
     assert done.stdout == f"ortq {ortq_package.__version__}\n" and done.stderr == ""
 
 
+@pytest.mark.rqcompat  # also under click 8.1, whose words differ (pass 2)
 @pytest.mark.parametrize(("args", "command", "message"), MISUSES, ids=[" ".join(m[0]) for m in MISUSES])
-def test_a_usage_error_is_one_line_and_status_2(args: list[str], command: str, message: str) -> None:
+def test_a_usage_error_is_one_line_and_status_2(args: list[str], command: str, message: str | re.Pattern[str]) -> None:
     done = invoke(*args)
     assert done.no_traceback(), done.stderr
     assert_one_usage_error_line(done, command, message)
@@ -64,11 +72,15 @@ def test_a_usage_error_from_python_m_ortq_is_one_line_and_status_2() -> None:
     assert_one_usage_error_line(ortq(*args), command, message)
 
 
-def assert_one_usage_error_line(done: subprocess.CompletedProcess[str] | Result, command: str, message: str) -> None:
+def assert_one_usage_error_line(
+    done: subprocess.CompletedProcess[str] | Result, command: str, message: str | re.Pattern[str]
+) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout == ""
     [line] = done.stderr.splitlines()  # click's own is four: usage, hint, blank, error
-    assert line.startswith(f"ortq: UsageError: {message}"), line
+    assert line.startswith("ortq: UsageError: "), line
+    said = line[len("ortq: UsageError: ") :]
+    assert said.startswith(message) if isinstance(message, str) else message.match(said), line
     assert line.endswith(f" (see '{command} --help')"), line
 
 

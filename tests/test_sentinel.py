@@ -382,3 +382,42 @@ def test_info_the_dashboard_and_a_shard_map_take_a_sentinel_url(
     with pytest.raises(ConfigurationError, match="refused the login") as refused:
         Settings(redis_url=f"redis+sentinel://:wrong@{hosts}/{SERVICE}/0").connect()
     assert "wrong" not in str(refused.value)
+
+
+def _sockets_to(ports: list[int]) -> int:
+    """This process's open TCP sockets whose peer is one of ``ports`` on 127.0.0.1 (Linux's
+    /proc: the socket inodes of this process's descriptors, looked up in /proc/self/net/tcp)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    peers = {f"0100007F:{port:04X}" for port in ports}
+    rows = Path("/proc/self/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if (fields := row.split())[2] in peers and fields[9] in inodes)
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="counts sockets through Linux's /proc")
+def test_closing_a_client_closes_its_connections_to_the_sentinels(group: SentinelGroup) -> None:
+    ports = group.sentinel_ports
+    assert _sockets_to(ports) == 0
+    client = Settings(redis_url=group.url).connect()
+    client.ping()
+    assert _sockets_to(ports) > 0  # the primary was asked for: the count sees the sentinels' clients
+    client.close()
+    assert _sockets_to(ports) == 0
+    with Producer(redis_url=group.url) as producer:
+        assert producer.signature("nosuch") is None
+        assert _sockets_to(ports) > 0
+    assert _sockets_to(ports) == 0
+
+    async def use_and_close() -> int:
+        async with AsyncProducer(redis_url=group.url) as producer:
+            assert await producer.signature("nosuch") is None
+            return _sockets_to(ports)
+
+    assert asyncio.run(use_and_close()) > 0
+    assert _sockets_to(ports) == 0

@@ -134,21 +134,24 @@ def test_the_keda_objects_fit_ortq_and_each_other() -> None:
     workers_env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert workers_env["ORTQ_MODEL_NAME"] == MODEL
     queue = layout.QueueKeys.of(keys.queue_name(MODEL))
+    # The jobs parked for the Deployment's version: the list its workers take before the queue.
+    parked = keys.parked_key(MODEL, str(workers_env["ORTQ_MODEL_VERSION"]))
 
     scaled = documents["ScaledObject"]["spec"]
     assert scaled["scaleTargetRef"]["kind"] == deployment["kind"]
     assert scaled["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["minReplicaCount"] == 0  # scale to zero
     lists = {t["name"]: t["metadata"]["listName"] for t in scaled["triggers"]}
-    assert lists == {"pending": keys.queue_key(MODEL), "running": queue.started}
+    assert lists == {"pending": keys.queue_key(MODEL), "running": queue.started, "parked": parked}
 
     job = documents["ScaledJob"]["spec"]
-    assert [t["metadata"]["listName"] for t in job["triggers"]] == [keys.queue_key(MODEL)]
     pod = job["jobTargetRef"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["args"] == ["worker", "--burst"]
     env = {e["name"]: e for e in container["env"]}
     assert set(env) <= ortq_variables() and env["ORTQ_MODEL_NAME"]["value"] == MODEL
+    burst_parked = keys.parked_key(MODEL, env["ORTQ_MODEL_VERSION"]["value"])
+    assert [t["metadata"]["listName"] for t in job["triggers"]] == [keys.queue_key(MODEL), burst_parked]
     assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     policy = job["jobTargetRef"]["podFailurePolicy"]["rules"]
     rules = {(r["action"], tuple(r["onExitCodes"]["values"])): r for r in policy if "onExitCodes" in r}
@@ -233,6 +236,8 @@ def test_the_scaler_user_reads_the_depths_kedas_script_reads(scaler: Scaler) -> 
     queued_jobs(scaler, MODEL, 3)
     started = layout.QueueKeys.of(keys.queue_name(MODEL)).started
     scaler.admin.zadd(started, {"job-a:exec-1": 1e12, "job-b:exec-2": 1e12})  # as start.lua writes them
+    parked = keys.parked_key(MODEL, "v1")
+    scaler.admin.rpush(parked, "job-c", "job-d", "job-e", "job-f")  # as start.lua parks pinned jobs
     scaler.admin.acl_log_reset()
     for user in ("ortq-keda", "keda-digits"):
         # go-redis (KEDA's client) says HELLO 3 with the user's credentials, PINGs, SELECTs its db.
@@ -240,6 +245,7 @@ def test_the_scaler_user_reads_the_depths_kedas_script_reads(scaler: Scaler) -> 
             assert client.ping()
             assert client.eval(KEDA_SCRIPT, 1, keys.queue_key(MODEL)) == 3
             assert client.eval(KEDA_SCRIPT, 1, started) == 2
+            assert client.eval(KEDA_SCRIPT, 1, parked) == 4
             if user == "ortq-keda":  # a model with no queue yet: no key, LLEN says 0
                 assert client.eval(KEDA_SCRIPT, 1, keys.queue_key("never-used")) == 0
     assert scaler.refusals("ortq-keda") == [] and scaler.refusals("keda-digits") == []
@@ -266,6 +272,8 @@ def test_the_scaler_user_is_refused_writes_frames_and_other_keys(scaler: Scaler)
         "list the queued ids": ("LRANGE", queue, 0, -1),
         "read the head id": ("LINDEX", queue, 0),
         "list the running ids": ("ZRANGE", started, 0, -1),
+        "list the parked ids": ("LRANGE", keys.parked_key(MODEL, "v1"), 0, -1),
+        "take a parked id": ("LPOP", keys.parked_key(MODEL, "v1")),
         "write the started registry": ("ZADD", started, 1, "forged"),
         "read a request frame": ("GET", request),
         "read a job hash": ("HGETALL", keys.job_key(job_id)),
@@ -288,9 +296,12 @@ def test_the_scaler_user_is_refused_writes_frames_and_other_keys(scaler: Scaler)
                 client.execute_command(*command)
             assert REFUSED.search(str(caught.value)), (what, caught.value)
     assert scaler.admin.llen(queue) == depth and scaler.admin.exists(request) == 1  # nothing changed
-    assert len(scaler.refusals("ortq-keda")) >= len(refused) - 1  # every refusal logged (the log may merge two)
-    with scaler.client("keda-digits") as client, pytest.raises(redis.exceptions.NoPermissionError):
-        client.eval(KEDA_SCRIPT, 1, keys.queue_key("another-model"))  # the per-model rule: its model only
+    # Every refusal logged (the log merges repeats of one command into one entry with a count).
+    assert sum(entry["count"] for entry in scaler.refusals("ortq-keda")) >= len(refused)
+    with scaler.client("keda-digits") as client:  # the per-model rule: its model only
+        for key in (keys.queue_key("another-model"), keys.parked_key("another-model", "v1")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.eval(KEDA_SCRIPT, 1, key)
 
 
 def test_a_watched_key_of_the_wrong_type_is_an_error_not_a_count(scaler: Scaler) -> None:

@@ -226,3 +226,30 @@ def test_served_by_is_encoded_alike_by_both_encoders_and_checked_on_decode() -> 
         frame += bytes(-len(frame) % 8)  # the tensors' alignment (none here)
         with pytest.raises(WireFormatError, match="served_by"):
             wire.decode_response(frame)
+
+
+def test_a_burst_worker_answers_the_jobs_parked_for_its_version_before_it_exits(
+    models_dir: Path, model_name: str, redis_url: str, connection: redis.Redis, workers: WorkerProcesses
+) -> None:
+    """Jobs pinned to v1 that a v2 worker took and parked: a ``--burst`` worker of v1 (what a KEDA
+    ScaledJob runs) finds the queue empty, yet answers them before it exits."""
+    v1_path = onnx_models.tiny_model(models_dir / "burst-v1.onnx")
+    v2_path = onnx_models.retrained_tiny_model(models_dir / "burst-v2.onnx", scale=5.0)
+    v1 = workers.start(v1_path, model_name, redis_url, "--model-version", "v1")
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        eventually(lambda: _versions_live(producer, model_name) == ["v1"], 60)
+        v1.send_signal(signal.SIGTERM)  # its signature stays: pinning to v1 is still allowed
+        assert v1.wait(30) == 0
+        v2 = workers.start(v2_path, model_name, redis_url, "--model-version", "v2")
+        xs = [np.full((1, 4), i, np.float32) for i in range(3)]
+        jobs = [producer.submit(model_name, {"x": x}, version="v1") for x in xs]
+        parked = keys.parked_key(model_name, "v1")
+        eventually(lambda: connection.llen(parked) == 3 and connection.llen(keys.queue_key(model_name)) == 0, 30)
+        v2.send_signal(signal.SIGTERM)
+        assert v2.wait(30) == 0
+        burst = workers.start(v1_path, model_name, redis_url, "--model-version", "v1", "--burst")
+        assert burst.wait(60) == 0, workers.logs()
+        reference = _session(v1_path)
+        for job, x in zip(jobs, xs, strict=True):
+            np.testing.assert_array_equal(job.result(timeout=5)["y"], reference.run(None, {"x": x})[0])
+        assert not connection.exists(parked)

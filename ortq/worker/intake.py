@@ -121,10 +121,10 @@ class Intake:
                 log.error("removed %s: it held a value of the wrong type (not written by RQ or ortq)", key)
             return []
         if raw is None:
-            if block:
-                self.backlog = self._parked()
-                return []
-            return None
+            # Jobs parked for this version are this worker's too: an idle worker's next take starts
+            # them, and a burst worker is not done while any wait (it would leave them to no one).
+            self.backlog = self._parked()
+            return [] if block or self.backlog else None
         return self._filled(self._start(raw, self.max_batch - 1))
 
     def _parked(self) -> bool:

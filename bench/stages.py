@@ -34,7 +34,7 @@ from ortq.wire import layout_of
 from ortq.worker import jobs
 from ortq.worker.batch import group, split
 from ortq.worker.intake import Intake
-from ortq.worker.session import signature_of
+from ortq.worker.model_signature import signature_of
 
 
 def timed(label: str, work: Callable[[], object], jobs_in_batch: int, repeat: int = 2000) -> None:

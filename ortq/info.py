@@ -227,6 +227,8 @@ def collect_shards(
 
 
 def _shape(spec: dict[str, Any]) -> str:
+    if spec.get("any_shape") is True:  # docs/wire-format.md, section 5: no declared shape, any rank
+        return f"{spec['name']}: {spec['dtype']} (any shape)"
     return f"{spec['name']}: {spec['dtype']}[{', '.join('?' if d is None else str(d) for d in spec['shape'])}]"
 
 

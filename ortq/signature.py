@@ -1,8 +1,9 @@
 """A model's input/output signature: what a worker publishes and a producer checks against.
 
 Dims are ints (fixed), strings (symbolic, e.g. ``"batch"``) or None (unknown); both of the
-last two accept any size. The record is JSON so that ``redis-cli`` and services in other
-languages can read it.
+last two accept any size. A tensor the model declares with no shape at all takes any rank
+(``any_shape``). The record is JSON so that ``redis-cli`` and services in other languages can
+read it (docs/wire-format.md, section 5).
 """
 
 from __future__ import annotations
@@ -28,16 +29,42 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...]
+    #: The model declares no shape at all for it: any rank and any dims fit (``shape`` is then
+    #: ``()``, which readers that predate this flag take for a 0-d tensor, as workers used to).
+    any_shape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.any_shape and self.shape:
+            raise ValueError(f"tensor {self.name!r}: a spec of any shape has no dims, got {list(self.shape)}")
 
     def to_json(self) -> dict[str, Any]:
+        """Its record; ``any_shape`` only where set, so that the records of every other tensor (and
+        the digest, :meth:`digest_json`) are what they were before the flag."""
+        if self.any_shape:
+            return {**self.digest_json(), "any_shape": True}
+        return self.digest_json()
+
+    def digest_json(self) -> dict[str, Any]:
+        """The keys the signature's digest covers: those every reader knows. ``any_shape`` is left
+        out, so that a producer that predates it, which drops the key and recomputes the digest
+        from the rest, still agrees with the digest in the worker's answers."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TensorSpec:
         shape = tuple(d if isinstance(d, int | str) or d is None else str(d) for d in obj["shape"])
-        return cls(name=str(obj["name"]), dtype=str(obj["dtype"]), shape=shape)
+        any_shape = obj.get("any_shape", False)
+        if not isinstance(any_shape, bool) or (any_shape and shape):
+            raise WireFormatError(
+                f"malformed model signature record: tensor {str(obj['name'])[:80]!r} has any_shape "
+                f"{str(any_shape)[:20]!r} with shape {str(list(shape))[:80]} (any_shape is true or false; "
+                "true goes with the shape [])"
+            )
+        return cls(name=str(obj["name"]), dtype=str(obj["dtype"]), shape=shape, any_shape=any_shape)
 
     def describe(self) -> str:
+        if self.any_shape:
+            return f"{self.name}: {self.dtype} (any shape)"
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {self.dtype}[{dims}]"
 
@@ -53,10 +80,13 @@ class TensorSpec:
         return dtype, fixed
 
     def check(self, array: np.ndarray) -> None:
-        """Raise InvalidInput unless ``array`` has this spec's dtype, rank and fixed dims."""
+        """Raise InvalidInput unless ``array`` has this spec's dtype, rank and fixed dims (of a spec
+        of any shape: its dtype alone)."""
         dtype, fixed = self._expected
         if array.dtype != dtype and array.dtype.name != self.dtype:  # the name: either byte order
             raise InvalidInput(f"input {self.name!r} has dtype {array.dtype.name}, the model expects {self.dtype}")
+        if self.any_shape:
+            return
         if array.ndim != len(self.shape):
             raise InvalidInput(
                 f"input {self.name!r} has rank {array.ndim} (shape {list(array.shape)}), "
@@ -84,8 +114,13 @@ class ModelSignature:
     @cached_property
     def digest(self) -> str:
         """What names this signature in a response's ``served_by`` and a job's checks: the first 16
-        hex digits of the SHA-256 of its JSON (inputs and outputs, compact, in the model's order)."""
-        return hashlib.sha256(self.dumps().encode()).hexdigest()[:16]
+        hex digits of the SHA-256 of its JSON (inputs and outputs, compact, in the model's order;
+        each tensor's :meth:`TensorSpec.digest_json`)."""
+        covered = {
+            "inputs": [spec.digest_json() for spec in self.inputs],
+            "outputs": [spec.digest_json() for spec in self.outputs],
+        }
+        return hashlib.sha256(json.dumps(covered, separators=(",", ":")).encode()).hexdigest()[:16]
 
     @cached_property
     def _input_names(self) -> frozenset[str]:

@@ -15,6 +15,9 @@ checks it with ``onnx.checker`` and returns the path. Needs ``onnx`` (a dev depe
 * :func:`gather_model` -- ``y = table[idx]``; an out-of-range index fails the run itself.
 * :func:`job_gather_model`, :func:`centered_model` -- ``x[idx]`` and ``x - mean(x, axis=0)``: models
   whose rows are not independent, which batching must not join.
+* :func:`shapeless_model` -- ``y = x + 1`` with ``x`` declared with no shape at all (any rank),
+  beside ``t = s`` with ``s`` declared 0-d; :func:`shapeless_matmul_model`: ``y = x @ W``, ``x``
+  of no declared shape, which a 0-d ``x`` cannot run.
 """
 
 from __future__ import annotations
@@ -47,9 +50,12 @@ def _save(
     outputs: list[onnx.ValueInfoProto],
     initializers: dict[str, np.ndarray] | None = None,
     domains: dict[str, int] | None = None,
+    check: bool = True,
 ) -> Path:
     """Assemble a graph into an opset-17 / IR-8 model, check it, write it to ``path``; ``domains``:
-    the versions of other operator domains it imports (custom ops: tests/image_models.py)."""
+    the versions of other operator domains it imports (custom ops: tests/image_models.py).
+    ``check=False`` for a model with a graph input or output of no shape, which ``onnx.checker``
+    refuses (it wants a shape on each) and ONNX Runtime loads: such models exist."""
     graph = helper.make_graph(
         nodes,
         name,
@@ -65,7 +71,8 @@ def _save(
         doc_string=f"ortq test model '{name}'",
     )
     model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
+    if check:
+        onnx.checker.check_model(model, full_check=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, path)
     return path
@@ -339,6 +346,42 @@ def centered_model(path: Path) -> Path:
         helper.make_node("Sub", ["x", "mean"], ["y"]),
     ]
     return _save(path, "centered", nodes=nodes, inputs=[x], outputs=[y])
+
+
+def shapeless_model(path: Path) -> Path:
+    """Input ``x`` float32 with no shape at all (its ValueInfoProto's tensor type has no ``shape``
+    field: any rank) and ``s`` float32 ``[]`` (0-d), which ONNX Runtime both reports as ``[]``;
+    outputs ``y = x + 1`` (no shape either) and ``t = s`` (0-d)."""
+    return _save(
+        path,
+        "shapeless",
+        nodes=[helper.make_node("Add", ["x", "one"], ["y"]), helper.make_node("Identity", ["s"], ["t"])],
+        inputs=[
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+        ],
+        outputs=[
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("t", TensorProto.FLOAT, []),
+        ],
+        initializers={"one": _f32(1.0)},
+        check=False,
+    )
+
+
+def shapeless_matmul_model(path: Path) -> Path:
+    """``y = x @ W`` (``W`` float32 ``[4, 2]``), ``x`` float32 of no declared shape: it runs on
+    ``[..., 4]`` tensors, not on the 0-d one a worker's warm-up guesses for it."""
+    weights = np.random.default_rng(SEED).standard_normal((4, 2)).astype(np.float32)
+    return _save(
+        path,
+        "shapeless_matmul",
+        nodes=[helper.make_node("MatMul", ["x", "W"], ["y"])],
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializers={"W": weights},
+        check=False,
+    )
 
 
 def timed_slow_model(path: Path, seconds: float) -> Path:

@@ -28,6 +28,7 @@ import redis
 
 from ortq import redisfunctions, wire
 from ortq.localredis import LocalRedis
+from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses
 from tests.test_raw_redis import doc_high_priority_script
 
@@ -151,6 +152,22 @@ def test_multi_dtype_bit_exact(
     assert_bit_exact(answer["outputs"], expected)
     # int64 values beyond 2**53 reach JavaScript whole (BigInt64Array), printed as strings.
     assert answer["outputs"]["i64_out"]["data"][:2] == [str(np.iinfo(np.int64).min), str(np.iinfo(np.int64).max)]
+
+
+def test_an_input_of_no_declared_shape_takes_any_rank(
+    node_client: Path, workers: WorkerProcesses, redis_url: str, model_name: str, tmp_path: Path
+) -> None:
+    """The record's ``"any_shape": true`` (docs/wire-format.md, section 5): the client checks such an
+    input's dtype alone, and a declared 0-d input is still 0-d."""
+    path = onnx_models.shapeless_model(tmp_path / "shapeless.onnx")
+    workers.serve(path, model_name, redis_url)
+    s = np.array(0.5, np.float32)
+    for x in [np.array(2, np.float32), np.arange(24, dtype=np.float32).reshape(2, 3, 4)]:
+        answer = cli("infer", redis_url, model_name, stdin=as_json({"x": x, "s": s}))
+        assert_bit_exact(answer["outputs"], run_directly(path, {"x": x, "s": s}))
+    for wrong in [{"x": x.astype(np.float64), "s": s}, {"x": x, "s": s[None]}]:
+        refused = cli("infer", redis_url, model_name, stdin=as_json(wrong), expect=2)
+        assert refused["error"]["type"] == "InvalidInput" and refused["job"] is None
 
 
 def test_errors(node_client: Path, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path) -> None:

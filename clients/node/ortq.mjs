@@ -96,7 +96,8 @@ export function checkModelName(model) {
 }
 
 /** InvalidInput unless `inputs` are exactly the signature's inputs, each with its dtype, rank and
- * fixed dims (section 5: a dim that is a string or null takes any size). */
+ * fixed dims (section 5: a dim that is a string or null takes any size; an input with
+ * `"any_shape": true`, which the model declares with no shape, takes any rank: its dtype alone). */
 export function checkInputs(signature, inputs) {
   const wanted = new Map((signature.inputs ?? []).map((spec) => [spec.name, spec]));
   const given = Object.keys(inputs);
@@ -111,6 +112,7 @@ export function checkInputs(signature, inputs) {
     const dtype = tensor.dtype ?? DEFAULT_DTYPES.get(tensor.data?.constructor);
     const shape = tensor.shape ?? [tensor.data?.length];
     if (dtype !== spec.dtype) throw new OrtqError('InvalidInput', `input ${name} has dtype ${dtype}, the model expects ${spec.dtype}`);
+    if (spec.any_shape === true) continue;
     const dims = spec.shape ?? [];
     if (shape.length !== dims.length || dims.some((d, i) => Number.isInteger(d) && d !== shape[i])) {
       throw new OrtqError('InvalidInput', `input ${name} has shape [${shape}], the model expects [${dims.map((d) => d ?? '?')}]`);

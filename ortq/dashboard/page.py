@@ -141,8 +141,9 @@ code { font-size: .95em; }
 {% if m.signature.version is string %}<p>current version <code data-field="version">{{ m.signature.version }}</code>
 <span class="muted">(that of the worker that started last)</span></p>{% endif %}
 <p>{% for kind in ("inputs", "outputs") %}{{ kind }}:
-{% for s in m.signature[kind] %}<code>{{ s.name }}: {{ s.dtype }}[
-{%- for d in s.shape %}{{ '?' if d is none else d }}{{ ', ' if not loop.last }}{% endfor %}]</code>
+{% for s in m.signature[kind] %}<code>{{ s.name }}: {{ s.dtype }}
+{%- if s.any_shape is sameas true %} (any shape){% else %}[
+{%- for d in s.shape %}{{ '?' if d is none else d }}{{ ', ' if not loop.last }}{% endfor %}]{% endif %}</code>
 {% endfor %}<br>{% endfor %}</p>
 {% endif %}
 <h3>workers ({{ m.workers | length }})</h3>

@@ -103,9 +103,11 @@ def _main(model: str, threads: int, max_batch: int, custom_ops: str | None) -> d
 
     from ortq.errors import OrtqError
     from ortq.worker import serve  # noqa: F401  (the modules a worker has loaded: part of the baseline)
+    from ortq.worker.batch import check_batchable
     from ortq.worker.custom_ops import library_path
+    from ortq.worker.model_signature import guessed_inputs, warmup_inputs
     from ortq.worker.runtime import import_onnxruntime
-    from ortq.worker.session import SessionPlan, load_model, warmup_inputs
+    from ortq.worker.session import SessionPlan, load_model
 
     try:
         import_onnxruntime("cpu")
@@ -115,8 +117,15 @@ def _main(model: str, threads: int, max_batch: int, custom_ops: str | None) -> d
         loaded = load_model(Path(model), plan)
         inputs = warmup_inputs(loaded.signature, encoded=loaded.encoded_inputs)
         if max_batch > 1:  # the worker's batches are concatenated on dim 0, so its activations grow with them
+            check_batchable(loaded.signature)  # the worker's own refusal, before inputs it could not join
             inputs = {name: np.repeat(value, max_batch, axis=0) for name, value in inputs.items()}
-        loaded.run(inputs)
+        try:
+            loaded.run(inputs)
+        except Exception:
+            # A shape guessed for an input of no declared shape may not fit the model: the worker
+            # starts without its warm-up run then (session.warm_up), so this measures no run either.
+            if not guessed_inputs(loaded.signature, loaded.encoded_inputs):
+                raise
     except OrtqError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # ONNX Runtime's own errors on a bad model or a failed run

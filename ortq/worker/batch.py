@@ -26,9 +26,18 @@ class BatchSplitError(OrtqError):
 
 
 def check_batchable(signature: ModelSignature) -> None:
-    """Raise ConfigurationError unless every input and output has a dynamic first dimension."""
+    """Raise ConfigurationError unless every input and output has a dynamic first dimension. A
+    tensor of no declared shape is refused too: nothing says its first dimension is its rows (it
+    may as well be a parameter vector, whose joined values would mix jobs), and a worker that ran
+    such jobs one a run instead would silently ignore --max-batch."""
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
         for spec in specs:
+            if spec.any_shape:
+                raise ConfigurationError(
+                    f"batching needs a dynamic first dimension, but the model declares no shape for {kind} "
+                    f"{spec.describe()}; give it a shape whose first dimension is the batch (e.g. ['batch', ...]) "
+                    "or run without --max-batch"
+                )
             if not spec.shape:
                 raise ConfigurationError(f"batching needs a first dimension, but {kind} {spec.describe()} is 0-d")
             first = spec.shape[0]

@@ -48,7 +48,12 @@ def takes_encoded_bytes(dtype: str, shape: tuple[object, ...]) -> bool:
 def check_encoded_image(name: str, value: np.ndarray) -> None:
     """Raise InvalidInput unless ``value`` is a PNG or a JPEG whose structure libjpeg reads without
     stopping the process (see the module's docstring)."""
-    data = value.tobytes() if value.ndim == 1 and value.dtype == np.uint8 else b""
+    if value.ndim != 1 or value.dtype != np.uint8:  # an input of no declared shape takes any rank
+        raise InvalidInput(
+            f"input {name!r} carries an encoded image: a file's bytes as a 1-D uint8 tensor, "
+            f"not {value.dtype.name}{list(value.shape)}"
+        )
+    data = value.tobytes()
     if data.startswith(PNG_SIGNATURE):
         return
     if not data.startswith(b"\xff\xd8"):

@@ -206,11 +206,11 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         check_batchable(model.signature)
     seconds = warm_up(model)
     log.info(
-        "model %s loaded on %s%s, warm-up run %.1f ms",
+        "model %s loaded on %s%s, %s",
         config.model_path,
         model.provider,
         " (CPU FALLBACK: the requested provider was unavailable)" if model.fell_back_to_cpu else "",
-        seconds * 1000,
+        "no warm-up run" if seconds is None else f"warm-up run {seconds * 1000:.1f} ms",
     )
     check = (
         {"passed": True, "skipped": "--skip-canary"} if config.skip_canary else canary(model, config.model_path, plan)

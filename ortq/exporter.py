@@ -49,6 +49,7 @@ DEFAULT_PORT = 9849
 QUEUE_LENGTH = "ortq_queue_length"
 OLDEST_AGE = "ortq_queue_oldest_job_age_seconds"
 RUNNING = "ortq_queue_running_jobs"
+PARKED = "ortq_queue_parked_jobs"
 FAILED = "ortq_queue_failed_jobs"
 WORKERS_ALIVE = "ortq_queue_workers_alive"
 NEWEST_HEARTBEAT_AGE = "ortq_queue_newest_heartbeat_age_seconds"
@@ -57,7 +58,7 @@ REDIS_UP = "ortq_exporter_redis_up"
 #: Every series the exporter exposes, as PromQL names them (all gauges); docs/autoscaling.md has
 #: the table and deploy/grafana/ortq-dashboard.json queries them.
 METRIC_NAMES: tuple[str, ...] = (
-    QUEUE_LENGTH, OLDEST_AGE, RUNNING, FAILED, WORKERS_ALIVE, NEWEST_HEARTBEAT_AGE, REDIS_UP,
+    QUEUE_LENGTH, OLDEST_AGE, RUNNING, PARKED, FAILED, WORKERS_ALIVE, NEWEST_HEARTBEAT_AGE, REDIS_UP,
 )  # fmt: skip
 
 #: Labels of the per-model series: the model, and its Redis (URL without password and query).
@@ -91,6 +92,12 @@ class QueueCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         up = GaugeMetricFamily(REDIS_UP, "1 when the last scrape read this Redis, else 0.", labels=["redis"])
         families = {name: GaugeMetricFamily(name, doc, labels=LABELS) for name, doc in _HELP.items()}
+        parked = GaugeMetricFamily(
+            PARKED,
+            "Jobs pinned to the version that a worker of another version parked for it (in no queue list); "
+            "absent where none are.",
+            labels=[*LABELS, "version"],
+        )
         for url, client in self._clients.items():
             where = redacted_url(url)
             try:
@@ -107,13 +114,15 @@ class QueueCollector(Collector):
                 beats = [w["heartbeat_age"] for w in workers if isinstance(w.get("heartbeat_age"), int | float)]
                 families[QUEUE_LENGTH].add_metric(labels, float(model["queued"]))
                 families[RUNNING].add_metric(labels, float(model["started"]))
+                for version, count in model["parked"].items():
+                    parked.add_metric([*labels, version], float(count))
                 families[FAILED].add_metric(labels, float(model["failed"]))
                 families[WORKERS_ALIVE].add_metric(labels, float(sum(w.get("state") != GONE for w in workers)))
                 if beats:
                     families[NEWEST_HEARTBEAT_AGE].add_metric(labels, float(min(beats)))
                 if model["model"] in ages:
                     families[OLDEST_AGE].add_metric(labels, ages[model["model"]])
-        return [up, *families.values()]
+        return [up, *families.values(), parked]
 
     def _read(self, url: str, client: redis.Redis) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """``collect_shards`` of this one Redis, and the oldest waiting job's age of each model there."""

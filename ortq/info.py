@@ -36,12 +36,18 @@ _MOST_HEARTBEAT_SECONDS = 3600.0
 GONE = "gone"
 
 
-def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any] | None]:
-    """Every published signature by model; None for one that cannot be read (shown as such)."""
+def _models_with_signatures(connection: redis.Redis) -> tuple[dict[str, dict[str, Any] | None], dict[str, list[str]]]:
+    """Every published signature by model (None for one that cannot be read: shown as such), and
+    the versions that published one, by model (from the same SCAN: ``<model>@<version>`` keys)."""
     models: dict[str, dict[str, Any] | None] = {}
+    versions: dict[str, list[str]] = {}
     prefix = keys.signature_key("")
-    names = [keys.as_text(k)[len(prefix) :] for k in connection.scan_iter(match=prefix + "*", count=500)]
-    names = [n for n in names if _is_model(n)]
+    found = [keys.as_text(k)[len(prefix) :] for k in connection.scan_iter(match=prefix + "*", count=500)]
+    for name in found:
+        model, _, version = name.partition("@")
+        if version and _is_model(model) and _is_version(version):
+            versions.setdefault(model, []).append(version)
+    names = [n for n in found if _is_model(n)]
     raws = connection.mget([keys.signature_key(n) for n in names]) if names else []  # nil for wrong types
     for name, raw in zip(names, raws, strict=True):
         try:
@@ -49,7 +55,15 @@ def _models_with_signatures(connection: redis.Redis) -> dict[str, dict[str, Any]
             models[name] = None if signature is None else {"version": signature.version, **signature.to_json()}
         except WireFormatError:
             models[name] = None
-    return models
+    return models, {model: sorted(names) for model, names in versions.items()}
+
+
+def _is_version(name: str) -> bool:
+    try:
+        keys.check_version_name(name)
+    except ConfigurationError:
+        return False
+    return True
 
 
 def _is_model(name: str) -> bool:
@@ -171,7 +185,7 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
     Each worker has RQ's ``state`` (``rq_state``) and ``heartbeat_age``, the seconds since its last
     heartbeat; one past :data:`GONE_AFTER_BEATS` heartbeat intervals (the interval its record
     publishes, else ``heartbeat_seconds``) has the state ``gone``."""
-    signatures = _models_with_signatures(connection)
+    signatures, versions = _models_with_signatures(connection)
     workers = _workers(connection, heartbeat_seconds)
     names = set(signatures) | {w["model"] for w in workers}
     queue_prefix = layout.QueueKeys.of("").queue
@@ -183,18 +197,24 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
     models = []
     for name in sorted(names):
         queue = layout.QueueKeys.of(keys.queue_name(name))
+        published = versions.get(name, [])
         with connection.pipeline(transaction=False) as pipe:
             pipe.llen(queue.queue)
             pipe.zcard(queue.started)
             pipe.zcard(queue.failed)
             pipe.zcard(queue.finished)
+            for version in published:
+                pipe.llen(keys.parked_key(name, version))
             counts = [c if isinstance(c, int) else 0 for c in pipe.execute(raise_on_error=False)]
-        queued, started, failed, finished = counts
+        queued, started, failed, finished = counts[:4]
         models.append(
             {
                 "model": name,
                 "queue": queue.name,
                 "queued": queued,
+                # Jobs pinned to a version that a worker of another version parked for it (in no
+                # queue list: docs/autoscaling.md), by version; only versions with some.
+                "parked": {version: count for version, count in zip(published, counts[4:], strict=True) if count},
                 "started": started,
                 "failed": failed,
                 "finished": finished,
@@ -246,6 +266,11 @@ def _adapter(worker: dict[str, Any]) -> str:
     return f"#{adapter.get('index', worker.get('device_id'))} {name}"
 
 
+def _parked(parked: dict[str, int]) -> str:
+    """The PARKED column: how many jobs wait parked for each version (``3 for v1``), or 0."""
+    return ", ".join(f"{count} for {version[:64]}" for version, count in parked.items()) or "0"
+
+
 def _current_version(signature: dict[str, Any] | None) -> str:
     """The version of a model's current signature (that of its worker that started last)."""
     version = (signature or {}).get("version")
@@ -261,13 +286,26 @@ def format_info(info: dict[str, Any]) -> str:
         return f"no ortq models or workers in {'these Redis instances' if sharded else 'this Redis'}{warnings}"
     redis_column: tuple[str, ...] = ("REDIS",) if sharded else ()
     models = tables.format_table(
-        ("MODEL", *redis_column, "VERSION", "QUEUED", "RUNNING", "FINISHED", "FAILED", "WORKERS", "INPUTS", "OUTPUTS"),
+        (
+            "MODEL",
+            *redis_column,
+            "VERSION",
+            "QUEUED",
+            "PARKED",
+            "RUNNING",
+            "FINISHED",
+            "FAILED",
+            "WORKERS",
+            "INPUTS",
+            "OUTPUTS",
+        ),
         [
             (
                 m["model"],
                 *((m["redis"],) if sharded else ()),
                 _current_version(m["signature"]),
                 m["queued"],
+                _parked(m["parked"]),
                 m["started"],
                 m["finished"],
                 m["failed"],

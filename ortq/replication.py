@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from ortq.settings import Settings
+from ortq.settings import Settings, redis_message
 
 #: The channel of the PUBLISH before each WAIT (the ACL rules in docs/security.md name it).
 CHANNEL = "ortq:replicated"
@@ -30,6 +30,18 @@ class NotReplicated(redis.ConnectionError):
     """Fewer replicas than ``wait_replicas`` confirmed a write within ``wait_replicas_ms``: the
     write stands on the primary but a failover now could lose it. A ConnectionError, so that what
     rides out an outage (the worker's answers, a producer's BrokerUnavailable) treats it as one."""
+
+
+class ConfirmRefused(redis.exceptions.NoPermissionError):
+    """Redis's ACL refused the user the PUBLISH or WAIT of a confirmation (its rule lacks the
+    wait_replicas part of docs/security.md): the write itself went through. A NoPermissionError, so
+    that it is taken for what only the operator can fix (ConfigurationError, a worker's exit 2)."""
+
+
+#: The rules docs/security.md adds to the producer and worker users for wait_replicas: PUBLISH in
+#: a selector of its own, to this channel alone (a worker's user may name RQ's command channels
+#: too, for SUBSCRIBE, and a PUBLISH there would stop other workers).
+ACL_RULES = f"+wait (+publish &{CHANNEL})"
 
 
 @dataclass(frozen=True)
@@ -51,10 +63,17 @@ class Confirm:
 
     def check(self, replies: list[Any]) -> None:
         """Raise NotReplicated unless ``replies`` (those of :meth:`queue`'s commands) say enough
-        replicas have the writes; a command Redis refused is raised as it is."""
+        replicas have the writes; ConfirmRefused for a command the ACL refused, and any other
+        command Redis refused as it is."""
         if not self.replicas:
             return
         for reply in replies:
+            if isinstance(reply, redis.exceptions.NoPermissionError):
+                raise ConfirmRefused(
+                    f"Redis refused this user the PUBLISH {CHANNEL} and WAIT that confirm each write on"
+                    f" replicas (wait_replicas={self.replicas}): {redis_message(reply)}; add `{ACL_RULES}` to"
+                    " its ACL rule (docs/security.md, 'ACL users'), or set wait_replicas to 0"
+                ) from reply
             if isinstance(reply, Exception):
                 raise reply
         acknowledged = int(replies[-1])

@@ -13,6 +13,13 @@ A *site* names where a call comes from: the worker thread that makes it and what
 (``ortq-feeder BLMOVE``, ``ortq-replier pipeline[DEL XADD EXPIRE finish]``, ``ortq-beat
 EVALSHA rescue``). Only calls from threads whose name starts with ``ortq`` count: the test's
 own producer and checks go through untouched.
+
+A pipeline (not a transaction) that holds a command named in ``RedisFaults(cut_at=...)`` is also
+a site cut at that command (``ortq-replier pipeline[finish PUBLISH WAIT] @WAIT``): the connection
+breaks there, so the commands before it ran and those from it on did not (``before``), or it ran
+too and the rest did not (``after``); either way no reply is read. ``cut_at=("PUBLISH", "WAIT")``
+makes the confirmation that ``wait_replicas`` queues after an answer script (ortq/replication.py)
+fail on its own, with the answer written.
 """
 
 from __future__ import annotations
@@ -57,9 +64,11 @@ class Fault:
 
 
 class RedisFaults:
-    """Counts the worker's Redis calls by site and fails the one a ``Fault`` names."""
+    """Counts the worker's Redis calls by site and fails the one a ``Fault`` names; ``cut_at``:
+    the commands at which a pipeline is also cut (see above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cut_at: tuple[str, ...] = ()) -> None:
+        self.cut_at = cut_at
         self.seen: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._fault: Fault | None = None
@@ -75,8 +84,19 @@ class RedisFaults:
 
         def patched_pipeline(pipe: Any, raise_on_error: bool = True) -> Any:
             # Each distinct command once, in order: a batch of 2 or 8 answers is one site.
-            words = " ".join(dict.fromkeys(_word(args) for args, _ in pipe.command_stack))
-            return self._call(f"pipeline[{words}]", lambda: pipeline_execute(pipe, raise_on_error))
+            said = [_word(args) for args, _ in pipe.command_stack]
+            words = " ".join(dict.fromkeys(said))
+
+            def cut(index: int) -> Callable[[bool], object]:
+                def run(including: bool) -> object:  # what went out before the connection broke
+                    pipe.command_stack = pipe.command_stack[: index + including]
+                    return pipeline_execute(pipe, False)
+
+                return run
+
+            transaction = pipe.transaction or pipe.explicit_transaction
+            cuts = {} if transaction else {f"@{w}": cut(said.index(w)) for w in self.cut_at if w in said}
+            return self._call(f"pipeline[{words}]", lambda: pipeline_execute(pipe, raise_on_error), cuts)
 
         def patched_frames(connection: Any, names: Any, limit: int) -> Any:
             return self._call("read_large_frames", lambda: read_large_frames(connection, names, limit))
@@ -85,16 +105,18 @@ class RedisFaults:
         monkeypatch.setattr(redis.client.Pipeline, "execute", patched_pipeline)
         monkeypatch.setattr(intake, "read_large_frames", patched_frames)
 
-    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+    def _call(self, what: str, call: Callable[[], Any], cuts: dict[str, Callable[[bool], object]] | None = None) -> Any:
         thread = threading.current_thread().name
         if not thread.startswith("ortq"):
             return call()
         site = f"{thread} {what}"
+        cuts = cuts or {}
+        sites = [site, *(f"{site} {at}" for at in cuts)]
         with self._lock:
-            self.seen[site] += 1
+            self.seen.update(sites)
             fault = self._fault
             hit = False
-            if fault is not None and fault.site == site:
+            if fault is not None and fault.site in sites:
                 self._count += 1
                 hit = self._count == fault.occurrence
                 if hit:
@@ -103,6 +125,9 @@ class RedisFaults:
             return call()
         assert fault is not None
         fault.fired.set()
+        if fault.site != site:  # cut inside the pipeline: what went before the cut ran
+            cuts[fault.site.removeprefix(f"{site} ")](fault.mode == "after")
+            raise redis.ConnectionError(f"injected: the connection broke {fault.mode} {fault.site}")
         if fault.mode == "before":
             raise redis.ConnectionError(f"injected: connection reset before {site} was sent")
         call()

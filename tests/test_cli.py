@@ -43,9 +43,9 @@ def test_infer_and_info(
     assert table.returncode == 0, table.stderr
     name = re.escape(model_name)
     version = re.escape(file_version(tiny_path))  # a worker started with no --model-version: its file's digest
-    # One row per model (version, queued, running, finished, failed, workers, signature), one per worker.
+    # One row per model (version, queued, parked, running, finished, failed, workers, signature), one per worker.
     assert re.search(
-        rf"^{name}\s+{version}\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$",
+        rf"^{name}\s+{version}\s+0\s+0\s+0\s+1\s+0\s+1\s+x: float32\[batch, 4\]\s+y: float32\[batch, 4\]$",
         table.stdout,
         re.M,
     )

@@ -278,6 +278,8 @@ def test_the_exporter_runs_as_the_documented_read_only_user(
             np.testing.assert_array_equal(producer.infer(model_name, X, timeout=30)["y"], session.run(None, X)[0])
             workers.stop_all()
             producer.submit_many(model_name, [X, X])  # the signature is still there: no worker needed
+            version = producer.signature(model_name).version  # type: ignore[union-attr]
+        admin.rpush(keys.parked_key(model_name, str(version)), "job-a")  # as start.lua parks a pinned job
         admin.acl_log_reset()
         url = f"redis://ortq-exporter:{password}@127.0.0.1:{server.port}/0"
         exporter = start_exporter(exporters, tmp_path, "--redis-url", url)
@@ -286,6 +288,8 @@ def test_the_exporter_runs_as_the_documented_read_only_user(
         assert value(samples, "ortq_queue_length", model_name, url) == 2
         assert value(samples, "ortq_queue_oldest_job_age_seconds", model_name, url) is not None  # LINDEX, HGET
         assert value(samples, "ortq_queue_workers_alive", model_name, url) == 0
+        parked = (("model", model_name), ("redis", redacted_url(url)), ("version", str(version)))
+        assert samples["ortq_queue_parked_jobs"] == {parked: 1}
         assert [e for e in admin.acl_log() if e["username"] == "ortq-exporter"] == []
         with redis.Redis.from_url(url) as client, pytest.raises(redis.exceptions.NoPermissionError):
             client.get(keys.request_key(model_name, "x"))  # the rule does refuse: the check above can fail

@@ -10,6 +10,16 @@ there with its reply lost), one round runs with that one call failing. After eve
 job answered once (one reply, one RQ result), outputs equal to a direct ``session.run``, nothing
 left started, queued or in the intermediate list, nothing held by the worker, and the worker
 still serving.
+
+The same rounds run again with ``wait_replicas=1`` (worker and producers) on a primary with one
+real replica: each answer script then goes in one pipeline with the ``PUBLISH ortq:replicated`` and
+``WAIT`` that confirm it (ortq/replication.py), and that pipeline is also cut at each of those two
+commands (tests/fault_injection.py), so that the confirmation fails on its own, the answer
+written, before and after it reached Redis (the worker sends the answer again, fenced). Every
+site, not a subset: ~26 a mode, ~25-45 s a mode on the 2-core VM, which makes the file's ~2-2.5 min
+some 3-3.5 (less than double). There each round also finds every job answered once on the replica,
+read at once with no WAIT of its own: a job leaves the worker answered only once the replica has
+its answer.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +49,7 @@ from ortq.worker.upkeep import Upkeep
 from tests.conftest import WorkerProcesses, eventually
 from tests.fault_injection import MODES, Fault, RedisFaults
 from tests.tcp_proxy import ResettingProxy
+from tests.test_wait_replicas import Replicated
 from tests.test_worker_inprocess import Serving, make_worker
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -51,15 +63,25 @@ def held(worker: Worker) -> frozenset[str]:
 
 
 class Rounds:
-    """Submits a round of jobs and checks how each ended."""
+    """Submits a round of jobs and checks how each ended; ``replica``: a client of the primary's
+    replica, with ``settings.wait_replicas`` set (each answer must be there once the worker has
+    let go of its job)."""
 
-    def __init__(self, worker: Worker, settings: Settings, model: str, session: ort.InferenceSession) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        settings: Settings,
+        model: str,
+        session: ort.InferenceSession,
+        replica: redis.Redis | None = None,
+    ) -> None:
         self.worker = worker
         self.model = model
         self.session = session
         self.producer = Producer(settings=settings)
         self.loose = Producer(settings=settings, validate=False)
         self.admin = redis.Redis.from_url(settings.redis_url)
+        self.replica = replica
         self.rng = np.random.default_rng(3)
         self.queue = layout.QueueKeys.of(keys.queue_name(model))
 
@@ -80,36 +102,55 @@ class Rounds:
             np.testing.assert_array_equal(job.result(timeout=timeout)["y"], self.session.run(None, {"x": x})[0])
         with pytest.raises(InferenceFailed, match="InvalidInput"):
             bad.result(timeout=timeout)
-        for job_id in [job.id for job in good] + [bad.id]:
-            assert self.admin.xlen(keys.reply_key(self.model, job_id)) == 1
-            assert self.admin.xlen(layout.results_key(job_id)) == 1, f"job {job_id} was answered more than once"
+        answered = [job.id for job in good] + [bad.id]
+        _answered_once(self.admin, self.model, answered)
         # Nothing left behind: no started entry, no queued or half-dequeued id, nothing held.
         eventually(lambda: self.admin.zcard(self.queue.started) == 0, 20)
         eventually(lambda: self.admin.llen(self.queue.intermediate) == 0, 20)
         assert self.admin.llen(self.queue.queue) == 0
         eventually(lambda: not held(self.worker), 10)
+        if self.replica is not None:
+            # A job leaves the worker answered only once the replica confirmed its answer: no WAIT
+            # here, the replica has each answer already, once.
+            _answered_once(self.replica, self.model, answered)
 
 
 @pytest.fixture
-def rounds(tiny_path: Path, model_name: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rounds]:
+def rounds(
+    tiny_path: Path, model_name: str, redis_url: str, replicas: int, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Rounds]:
+    """A batching worker served in-process, and its rounds; ``replicas`` (0 or 1): with 1, on a
+    primary of its own with one replica, the worker and the producers with ``wait_replicas=1``."""
     # Every upkeep task each second, so that each round meets their calls too.
     monkeypatch.setattr(Upkeep, "EVERY", {task: 0.5 for task in Upkeep.EVERY})
-    settings = Settings.from_url(redis_url, heartbeat_seconds=0.5)
-    worker = make_worker(tiny_path, model_name, settings, max_batch=4, max_wait_ms=30.0, rows_independent=True)
-    serving = Serving(worker)
-    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
-    ours = Rounds(worker, settings, model_name, session)
-    ours.producer.wait_for_workers(model_name, 1, timeout=30)
-    yield ours
-    ours.close()
-    serving.stop()
+    with ExitStack() as stack:
+        replica = None
+        if replicas:
+            servers = Replicated()
+            stack.callback(servers.stop)
+            redis_url, replica = servers.primary.url, servers.replica_client
+        settings = Settings.from_url(redis_url, heartbeat_seconds=0.5, wait_replicas=replicas)
+        worker = make_worker(tiny_path, model_name, settings, max_batch=4, max_wait_ms=30.0, rows_independent=True)
+        serving = Serving(worker)
+        stack.callback(serving.stop)
+        session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+        ours = Rounds(worker, settings, model_name, session, replica)
+        stack.callback(ours.close)
+        ours.producer.wait_for_workers(model_name, 1, timeout=30)
+        yield ours
+
+
+#: The commands ``wait_replicas`` adds after each answer script (ortq/replication.py): the
+#: pipelines that hold them are cut at each of them too (tests/fault_injection.py).
+CONFIRM = ("PUBLISH", "WAIT")
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("replicas", [0, 1], ids=["plain", "wait_replicas"])
 def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
-    rounds: Rounds, mode: str, monkeypatch: pytest.MonkeyPatch
+    rounds: Rounds, replicas: int, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    faults = RedisFaults()
+    faults = RedisFaults(cut_at=CONFIRM if replicas else ())
     faults.install(monkeypatch)
     rounds.run()
     faults.seen.clear()  # one-off calls of a first round (each connection's SCRIPT LOAD) are not sites
@@ -118,8 +159,12 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
     rounds.run()
     sites = faults.sites()  # only calls of the worker's threads count (tests/fault_injection.py)
     # The calls that hold jobs are among them (else this test would test nothing that matters).
-    for expected in ("BLMOVE", "read_large_frames", "pipeline[fail]", "pipeline[start GETRANGE]"):
-        assert any(site.split(" ", 1)[1] == expected for site in sites), (expected, sites)
+    confirm = " PUBLISH WAIT" if replicas else ""
+    expected = ["BLMOVE", "read_large_frames", f"pipeline[fail{confirm}]", "pipeline[start GETRANGE]"]
+    if replicas:
+        expected += [f"pipeline[{script} PUBLISH WAIT] @{word}" for script in ("finish", "fail") for word in CONFIRM]
+    calls = {site.split(" ", 1)[1] for site in sites}
+    assert not set(expected) - calls, (expected, sites)
     reached: set[str] = set()
     unreached: list[str] = []
     for site in sites:

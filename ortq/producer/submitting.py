@@ -11,7 +11,7 @@ from uuid import uuid4
 import redis
 
 from ortq import keys, redisfaults, replication
-from ortq.errors import BrokerUnavailable
+from ortq.errors import BrokerUnavailable, ConfigurationError
 from ortq.producer import checks, enqueue, lookups
 from ortq.producer.enqueue import JobOptions
 from ortq.producer.steps import Command, Round, Steps, function_calls
@@ -57,6 +57,8 @@ def submit_many(
             return enqueue.chosen_handles(make, model, chosen, nonces, results, unique, digest, options.version)
         ids = yield from _enqueue(model, frames, options)
         yield from _confirmed(settings)
+    except replication.ConfirmRefused as exc:  # after the enqueue went through: not "could not enqueue"
+        raise ConfigurationError(f"{len(frames)} job(s) for {model!r} were enqueued but not confirmed: {exc}") from exc
     except redis.RedisError as exc:
         error = redisfaults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
         if isinstance(error, BrokerUnavailable):

@@ -30,6 +30,7 @@ from ortq import tracing
 from ortq.errors import ConfigurationError
 from ortq.metrics import WorkerMetrics
 from ortq.redisfaults import is_refused
+from ortq.replication import ConfirmRefused
 from ortq.rqcompat.acl import refused_command
 from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.settings import REDIS_DOWN, Settings, redis_message
@@ -161,6 +162,8 @@ def acl_refusal(exc: Exception) -> ConfigurationError | None:
     """The ConfigurationError that ends the worker (exit 2) when Redis's ACL refused one of its
     commands: no job can be answered until the user's rights are fixed, and taking jobs it cannot
     answer would only fail them as WorkerLost later."""
+    if isinstance(exc, ConfirmRefused):  # not a script's command: its message says what to add
+        return ConfigurationError(f"this worker's answers are written but cannot be confirmed: {exc}")
     if not is_refused(exc):
         return None
     said = redis_message(exc)

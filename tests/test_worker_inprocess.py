@@ -337,6 +337,29 @@ def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book
     assert connection.hget(keys.job_key(job_id), "status") == b"queued"
 
 
+def test_a_failure_sent_again_is_this_workers_answer_and_one_taken_back_is_not(
+    connection: redis.Redis, book: Book, model_name: str
+) -> None:
+    """fail.lua's second send (the first ran, its reply lost: the worker sends it again) writes
+    nothing again and still says the failure is this worker's; a job another worker took back is not."""
+    mine, taken = str(uuid.uuid4()), str(uuid.uuid4())
+    push(connection, model_name, mine)
+    push(connection, model_name, taken)
+    [first], _ = start(connection, book)
+    [second], _ = start(connection, book)
+    error = wire.encode_error("RuntimeError", "it broke")
+    assert book.fail(first, error, 60, "it broke", None) is True
+    assert book.fail(first, error, 60, "it broke", None) is True  # the second send
+    assert connection.xlen(keys.reply_key(model_name, mine)) == 1
+    assert connection.xlen(layout.results_key(mine)) == 1
+    other = Book(connection, "another-worker", book.queue.name)
+    assert book.recover(taken, second.execution_id, book.worker_name, 2, 60, b"err", "WorkerLost: test") == "requeued"
+    [again], _ = start(connection, other)
+    assert other.fail(again, error, 60, "it broke", None) is True
+    assert book.fail(second, error, 60, "it broke", None) is False  # failed by the other worker, not this one
+    assert connection.xlen(keys.reply_key(model_name, taken)) == 1
+
+
 def test_large_answers_reach_their_reply_through_a_stage_key_fenced_like_small_ones(
     connection: redis.Redis, book: Book, model_name: str
 ) -> None:

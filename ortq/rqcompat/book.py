@@ -357,7 +357,8 @@ class Book:
     ) -> bool:
         """Answer ``error`` to a failed job and write RQ's failure records (the job's ``status``:
         failed, or stopped), or (``retry``) put it back for another attempt; False when another
-        worker had taken it back meanwhile."""
+        worker had taken it back meanwhile. True for a second send whose first failed the job here
+        (its reply lost; a retry's first send cannot be told from a take-back: False)."""
         ended = utcnow()
         args = [
             self.queue.name,

@@ -10,9 +10,18 @@
 --       20 seconds a retried job's hash lives while it waits again, 21 the status it ends with
 --       ('failed', or 'stopped' for a job stopped on request, which RQ also keeps in its failed
 --       registry).
--- Returns 1 when failed (or retried) here, 0 when another worker had taken the job back.
+-- Returns 1 when failed (or retried) here, 2 when this worker had failed it already (a second send
+-- whose first ran, its reply lost: the job's record says so), 0 when another worker had taken the
+-- job back.
 local queue, worker, id, execution = ARGV[5], ARGV[6], ARGV[8], ARGV[9]
-if not owns(queue, id, execution) then return 0 end
+if not owns(queue, id, execution) then
+  local job = job_key(id)
+  if kind(job) == 'hash' then
+    local record = redis.call('HMGET', job, 'status', 'worker_name')
+    if record[2] == worker and (record[1] == 'failed' or record[1] == 'stopped') then return 2 end
+  end
+  return 0
+end
 local ttl, now, retry = tonumber(ARGV[11]), tonumber(ARGV[13]), ARGV[17]
 local job = job_key(id)
 local is_hash = kind(job) == 'hash'

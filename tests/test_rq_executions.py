@@ -22,7 +22,8 @@ from ortq.dashboard.app import create_app
 from ortq.info import collect, format_info
 from ortq.producer import Producer
 from ortq.rqcompat import layout
-from ortq.rqcompat.book import TAG_DIGITS, Book, Finished, StartedJob, execution_tag
+from ortq.rqcompat.abandoned import TAG_DIGITS, execution_tag
+from ortq.rqcompat.book import Book, Finished, StartedJob
 from ortq.rqcompat.layout import utcformat, utcnow
 from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings

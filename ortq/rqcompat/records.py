@@ -16,7 +16,8 @@ import redis
 from ortq import keys
 from ortq.errors import ConfigurationError
 from ortq.rqcompat import layout
-from ortq.rqcompat.book import StartedJob, queue_worker_keys
+from ortq.rqcompat.abandoned import queue_worker_keys
+from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.layout import utcformat, utcnow
 
 log = logging.getLogger("ortq.worker")

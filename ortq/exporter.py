@@ -8,7 +8,8 @@ about a queue, not about one worker. So this process reads them from Redis itsel
 and holds no state between scrapes.
 
 What a scrape costs, per Redis of the shard map: :func:`ortq.info.collect` (what ``ortq info``
-reads: a SCAN of the signature keys, the workers' records, four counters per model), then two
+reads: the workers' set of their signature records, the workers' records, four counters per model
+and one per version, its parked jobs), then two
 pipelined round trips for the oldest waiting job of every model (``LINDEX 0`` of the queue, ``HGET``
 of that one job's ``enqueued_at``). Nothing is unpickled. Redis is hostile input as everywhere in
 ortq: a key of the wrong type or content shows as missing (collect's rule) and is logged, never an

@@ -34,6 +34,9 @@ GONE_AFTER_BEATS = DEAD_AFTER_BEATS
 _MOST_HEARTBEAT_SECONDS = 3600.0
 #: ``state`` of a worker that stopped beating.
 GONE = "gone"
+#: Signature records read at most (models and their versions): a bound on what a set anyone with
+#: write access could fill makes one read.
+_MOST_SIGNATURES = 10_000
 
 
 def _models_with_signatures(connection: redis.Redis) -> tuple[dict[str, dict[str, Any] | None], dict[str, list[str]]]:
@@ -41,8 +44,7 @@ def _models_with_signatures(connection: redis.Redis) -> tuple[dict[str, dict[str
     the versions that published one, by model (from the same SCAN: ``<model>@<version>`` keys)."""
     models: dict[str, dict[str, Any] | None] = {}
     versions: dict[str, list[str]] = {}
-    prefix = keys.signature_key("")
-    found = [keys.as_text(k)[len(prefix) :] for k in connection.scan_iter(match=prefix + "*", count=500)]
+    found, listed = _signature_names(connection)
     for name in found:
         model, _, version = name.partition("@")
         if version and _is_model(model) and _is_version(version):
@@ -50,12 +52,26 @@ def _models_with_signatures(connection: redis.Redis) -> tuple[dict[str, dict[str
     names = [n for n in found if _is_model(n)]
     raws = connection.mget([keys.signature_key(n) for n in names]) if names else []  # nil for wrong types
     for name, raw in zip(names, raws, strict=True):
+        if raw is None and listed:  # a set member whose record expired (or was never written)
+            continue
         try:
             signature = None if raw is None else ModelSignature.loads(raw)
             models[name] = None if signature is None else {"version": signature.version, **signature.to_json()}
         except WireFormatError:
             models[name] = None
     return models, {model: sorted(names) for model, names in versions.items()}
+
+
+def _signature_names(connection: redis.Redis) -> tuple[list[str], bool]:
+    """The names after ``signature_key``'s prefix of the published signature records, and whether
+    they were listed rather than found: the workers' set of them (keys.SIGNATURES_SET, which may
+    name records that expired), else (workers from before it, or a key of another type there) a
+    SCAN of the keyspace."""
+    if keys.as_text(connection.type(keys.SIGNATURES_SET)) == "set":
+        members = cast(list[bytes], connection.srandmember(keys.SIGNATURES_SET, _MOST_SIGNATURES) or [])
+        return [keys.as_text(m) for m in members if len(m) <= 200], True  # a model and a version name, at most
+    prefix = keys.signature_key("")
+    return [keys.as_text(k)[len(prefix) :] for k in connection.scan_iter(match=prefix + "*", count=500)], False
 
 
 def _is_version(name: str) -> bool:

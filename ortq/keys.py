@@ -29,6 +29,12 @@ RQ_QUEUES_SET = layout.queues_key()
 #: Set of worker names that published a record (members whose record expired are pruned on read).
 WORKERS_SET = PREFIX + "workers"
 
+#: Set of the signature records workers publish (``<model>`` and ``<model>@<version>``, as after
+#: ``signature_key``'s prefix): how ``ortq info`` and the exporter find every model and version
+#: without a SCAN of the keyspace. Members whose record expired stay (one per model version ever
+#: served) and read as gone.
+SIGNATURES_SET = PREFIX + "signatures"
+
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 

@@ -283,7 +283,10 @@ def test_the_exporter_runs_as_the_documented_read_only_user(
         admin.acl_log_reset()
         url = f"redis://ortq-exporter:{password}@127.0.0.1:{server.port}/0"
         exporter = start_exporter(exporters, tmp_path, "--redis-url", url)
+        scans = admin.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
         samples = exporter.scrape()
+        # The models and versions come from the workers' set of their signatures: no SCAN of the keyspace.
+        assert admin.info("commandstats").get("cmdstat_scan", {}).get("calls", 0) == scans
         assert redis_up(samples, url) == 1
         assert value(samples, "ortq_queue_length", model_name, url) == 2
         assert value(samples, "ortq_queue_oldest_job_age_seconds", model_name, url) is not None  # LINDEX, HGET

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -26,6 +27,7 @@ import redis
 
 from ortq import keys, wire
 from ortq.errors import CorruptRecord
+from ortq.info import collect
 from ortq.producer import Producer
 from ortq.rqcompat import layout, records
 from ortq.rqcompat.book import Book
@@ -220,9 +222,10 @@ def test_a_last_high_key_of_the_wrong_type_does_not_stop_high_priority(served: S
         lambda s: layout.QueueKeys.of(keys.queue_name(s.model)).workers,
         lambda s: layout.worker_key(s.producer.workers(s.model)[0]["name"]),
         lambda s: keys.signature_key(s.model),
+        lambda s: keys.SIGNATURES_SET,
         lambda s: keys.worker_key(s.producer.workers(s.model)[0]["name"]),
     ],
-    ids=["ortq-workers", "rq-workers", "rq-queue-workers", "rq-worker", "signature", "ortq-worker"],
+    ids=["ortq-workers", "rq-workers", "rq-queue-workers", "rq-worker", "signature", "signatures", "ortq-worker"],
 )
 def test_worker_records_of_the_wrong_type_are_rewritten(served: Served, key: Callable[[Served], str]) -> None:
     name = key(served)
@@ -230,6 +233,21 @@ def test_worker_records_of_the_wrong_type_are_rewritten(served: Served, key: Cal
     served.r.rpush(name, "forged")
     eventually(lambda: served.r.type(name) != b"list", BOUND)
     eventually(lambda: len(served.producer.workers(served.model)) == 1, BOUND)
+
+
+def test_the_models_are_found_without_the_signatures_set_or_with_junk_in_it(served: Served) -> None:
+    """ortq info and the exporter read the workers' set of signature records; without it (workers
+    from before it) they SCAN for them; members that name no record, or no model, are left out."""
+
+    def found() -> dict[str, Any]:
+        return {m["model"]: m["signature"] for m in collect(served.r)["models"]}
+
+    assert found()[served.model] is not None
+    served.r.sadd(keys.SIGNATURES_SET, "gone-model", "bad name!", "x" * 300)
+    assert set(found()) == {served.model}  # no record, no queue, no worker: not a model to show
+    served.r.delete(keys.SIGNATURES_SET)
+    assert found()[served.model] is not None  # by SCAN
+    eventually(lambda: served.r.exists(keys.SIGNATURES_SET) == 1, BOUND)  # the next heartbeat writes it again
 
 
 def test_pruning_a_queues_workers_removes_the_dead_and_skips_what_no_worker_wrote(

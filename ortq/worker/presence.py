@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from ortq import keys
+from ortq import keys, redisfaults
 from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings
@@ -117,18 +117,14 @@ class Presence:
             self._queue_signatures(pipe, current=False)
             pipe.type(keys.signature_key(self.identity.model))
             results = pipe.execute(raise_on_error=False)
+        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, results[-2])
         self.records.after_heartbeat(connection, results, positions, running)
         replies = results[asked : asked + len(running)]
         stops = [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
         if results[-1] not in (b"string", "string"):  # another type there: the NX write cannot replace it
             log.error("%s held no string; replacing it", keys.signature_key(self.identity.model))
             connection.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
-        if isinstance(results[registered], redis.ResponseError):
-            log.error("%s was no set (%s); replacing it", keys.WORKERS_SET, results[registered])
-            with connection.pipeline() as pipe:
-                pipe.delete(keys.WORKERS_SET)
-                pipe.sadd(keys.WORKERS_SET, self.name)
-                pipe.execute()
+        _repair_set(connection, keys.WORKERS_SET, [self.name], results[registered])
         return stops
 
     # ------------------------------------------------------------------ both ends
@@ -141,6 +137,12 @@ class Presence:
         pipe.set(keys.signature_key(model, self.identity.version), self._signature_json, ex=ttl)
         pipe.set(keys.signature_key(model), self._signature_json, ex=ttl, nx=not current)
         pipe.expire(keys.signature_key(model), ttl)
+        pipe.sadd(keys.SIGNATURES_SET, *self._signature_names)  # last: its reply is checked
+
+    @property
+    def _signature_names(self) -> list[str]:
+        """This worker's members of keys.SIGNATURES_SET: its model's current record and its version's."""
+        return [self.identity.model, f"{self.identity.model}@{self.identity.version}"]
 
     def register(self, connection: redis.Redis) -> None:
         """RQ's birth of the worker, and the model's current signature made this worker's (ortq's
@@ -148,7 +150,11 @@ class Presence:
         self.records.register_birth(connection)
         with connection.pipeline(transaction=False) as pipe:
             self._queue_signatures(pipe, current=True)
-            pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not redisfaults.is_wrong_type(reply):
+                raise reply
+        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, replies[-1])
 
     def unregister(self, connection: redis.Redis) -> None:
         """RQ's death of the worker, and ortq's records gone; left to expire if Redis refuses."""
@@ -160,3 +166,16 @@ class Presence:
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the records expire by themselves", exc)
+
+
+def _repair_set(connection: redis.Redis, key: str, members: list[str], reply: object) -> None:
+    """Where ``reply`` (an SADD's to ``key``) says ``key`` holds another type (written by someone
+    else), replace it with a set of ``members``; any other error it says is raised."""
+    if isinstance(reply, Exception) and not redisfaults.is_wrong_type(reply):
+        raise reply
+    if isinstance(reply, redis.ResponseError):
+        log.error("%s was no set (%s); replacing it", key, reply)
+        with connection.pipeline() as pipe:
+            pipe.delete(key)
+            pipe.sadd(key, *members)
+            pipe.execute()

@@ -290,9 +290,11 @@ def test_info_lists_every_redis_and_infer_follows_the_map(
     assert table.returncode == 0, table.stderr
     assert PASSWORD not in table.stdout + table.stderr
     assert re.search(
-        rf"^{BIG}\s+{re.escape(shown_big)}\s+\S+\s+0\s+0\s+\d+\s+0\s+1\s+image: float32", table.stdout, re.M
+        rf"^{BIG}\s+{re.escape(shown_big)}\s+\S+\s+0\s+0\s+0\s+\d+\s+0\s+1\s+image: float32", table.stdout, re.M
     )
-    assert re.search(rf"^{SMALL}\s+{re.escape(redis_url)}\s+\S+\s+0\s+0\s+\d+\s+0\s+1\s+x: float32", table.stdout, re.M)
+    assert re.search(
+        rf"^{SMALL}\s+{re.escape(redis_url)}\s+\S+\s+0\s+0\s+0\s+\d+\s+0\s+1\s+x: float32", table.stdout, re.M
+    )
     assert re.search(
         rf"^{BIG}\.\S+\s+{BIG}\s+{re.escape(shown_big)}\s+\S+\s+\w+\s+CPUExecutionProvider", table.stdout, re.M
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, cast
 
@@ -75,16 +75,16 @@ def _signature_names(connection: redis.Redis) -> tuple[list[str], bool]:
 
 
 def _is_version(name: str) -> bool:
-    try:
-        keys.check_version_name(name)
-    except ConfigurationError:
-        return False
-    return True
+    return _passes(keys.check_version_name, name)
 
 
 def _is_model(name: str) -> bool:
+    return _passes(keys.check_model_name, name)
+
+
+def _passes(check: Callable[[str], str], name: str) -> bool:
     try:
-        keys.check_model_name(name)
+        check(name)
     except ConfigurationError:
         return False
     return True

@@ -37,7 +37,7 @@ from ortq.worker.batch import check_batchable
 from ortq.worker.onnx_shapes import DeclaredShapes, MalformedModel, declared_shapes, declared_shapes_in
 from ortq.worker.session import SessionPlan, load_model, warm_up
 from tests import onnx_models
-from tests.test_worker_inprocess import Serving, make_worker
+from tests.test_worker_inprocess import Serving, make_worker, serving_of
 
 CPU = SessionPlan("cpu", None, 1, allow_cpu_fallback=False)
 
@@ -54,11 +54,7 @@ def settings(redis_url: str) -> Settings:
 
 @pytest.fixture
 def serving(shapeless_path: Path, model_name: str, settings: Settings) -> Iterator[Serving]:
-    running = Serving(make_worker(shapeless_path, model_name, settings))
-    with Producer(settings=settings) as producer:
-        producer.wait_for_workers(model_name, 1, timeout=30)
-    yield running
-    running.stop()
+    yield from serving_of(shapeless_path, model_name, settings)
 
 
 def onnx_view(model: onnx.ModelProto) -> DeclaredShapes:

@@ -84,13 +84,18 @@ def make_worker(model_path: Path, name: str, settings: Settings, **options: obje
     return build_worker(WorkerConfig(model_path, name, threads=1, **options), settings)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def serving(tiny_path: Path, model_name: str, settings: Settings) -> Iterator[Serving]:
-    running = Serving(make_worker(tiny_path, model_name, settings))
+def serving_of(model_path: Path, model_name: str, settings: Settings) -> Iterator[Serving]:
+    """A fixture's body: an in-process worker of ``model_path``, serving once its record is up, stopped after."""
+    running = Serving(make_worker(model_path, model_name, settings))
     with Producer(settings=settings) as producer:
         producer.wait_for_workers(model_name, 1, timeout=30)
     yield running
     running.stop()
+
+
+@pytest.fixture
+def serving(tiny_path: Path, model_name: str, settings: Settings) -> Iterator[Serving]:
+    yield from serving_of(tiny_path, model_name, settings)
 
 
 def test_it_serves_jobs_and_a_stop_request_ends_it_with_status_0(

@@ -137,6 +137,10 @@ code { font-size: .95em; }
  per_page=8, order='asc', page=1) }}">{{ field }}</a></dt></div>
 {% endfor %}
 </dl>
+{% if m.parked %}<p data-field="parked">parked: {% for version, count in m.parked.items() %}{{ count }}
+{{- ' jobs' if count != 1 else ' job' }} pinned to version <code>{{ version }}</code>{{ ', ' if not loop.last }}
+{%- endfor %} <span class="muted">(taken off the queue by a worker of another version; a worker of
+that version takes them first)</span></p>{% endif %}
 {% if m.signature %}
 {% if m.signature.version is string %}<p>current version <code data-field="version">{{ m.signature.version }}</code>
 <span class="muted">(that of the worker that started last)</span></p>{% endif %}

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from redis.sentinel import MasterNotFoundError
 
-from ortq import sentinel
+from ortq import redispack, sentinel
 from ortq.errors import EXIT_CONFIGURATION, EXIT_UNAVAILABLE, ConfigurationError
 from ortq.redisurls import check_redis_url, check_tls_options, redacted_url
 from ortq.shards import ENV_VAR, ShardMap
@@ -195,6 +195,8 @@ class Settings:
             # Frames are large: read them in 1 MiB slices, not 64 KiB (fewer syscalls per frame).
             "socket_read_size": 1 << 20,
         }
+        if redispack.PACKER is not None:  # each command packed by hiredis in one call (ortq.redispack)
+            options["command_packer"] = redispack.PACKER
         try:
             if sentinel.is_sentinel_url(self.redis_url):
                 client = sentinel.connect(self.redis_url, **options)  # the primary, wherever it is now

@@ -395,8 +395,10 @@ def _peak_rss(pid: int) -> int:
 
 # ------------------------------------------------------------------ bounded upkeep
 
-#: The longest one maintenance or recovery call may take in Redis (issue 25: "each call bounded").
-UPKEEP_MS = 10
+#: The longest one maintenance or recovery call may take in Redis (issue 25: "each call bounded"):
+#: ~2 ms alone, and up to ~12 ms seen on the CI VM under xdist, where the slow log's wall time
+#: counts a descheduled redis-server too; the one call for everything it replaced took ~100 ms.
+UPKEEP_MS = 20
 
 
 def _slow_commands(served: Served) -> list[tuple[bytes, int]]:
@@ -412,12 +414,12 @@ def test_two_hundred_thousand_expired_canceled_entries_are_removed_in_short_call
 
     The slow log times a call in wall time, so a redis-server that the OS deschedules mid-script (on
     a machine busy with other tests: pytest-xdist) logs a short call as slow. The scenario is tried
-    up to three times and passes on a try without a slow call; a call that is slow for its own work
+    up to five times and passes on a try without a slow call; a call that is slow for its own work
     (one call for every entry: ~100 ms here) is slow on every try."""
     canceled = layout.QueueKeys.of(keys.queue_name(served.model)).canceled
     tries: list[list[tuple[bytes, int]]] = []
     try:
-        while len(tries) < 3:
+        while len(tries) < 5:
             for start in range(0, 200_000, 20_000):
                 served.r.zadd(canceled, {f"junk-{i}": 1 for i in range(start, start + 20_000)})
             served.r.config_set("slowlog-log-slower-than", UPKEEP_MS * 1000)

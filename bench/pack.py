@@ -4,13 +4,14 @@
 
 Two measures, each alternated between the two packers in one run: packing one enqueue's commands
 (the request frame's SET, the job hash's HSET, its EXPIRE, the queue's RPUSH), and ``submit_many``
-of ``--jobs`` small jobs through a real Producer on a local Redis (no worker: the jobs queue up),
-as this process's CPU time a job.
+of ``--jobs`` small jobs through a real Producer and a real AsyncProducer on a local Redis (no
+worker: the jobs queue up), as this process's CPU time a job.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 import uuid
@@ -20,7 +21,7 @@ import numpy as np
 import redis
 
 from ortq.localredis import LocalRedis
-from ortq.producer import Producer
+from ortq.producer import AsyncProducer, Producer
 from ortq.settings import Settings
 
 MODEL = "bench-pack"
@@ -55,6 +56,27 @@ def producer(url: str, ours: bool) -> Producer:
     return made
 
 
+async def async_cpu_us(url: str, jobs: list[dict[str, np.ndarray]], rounds: int) -> dict[str, float]:
+    """AsyncProducer.submit_many's CPU a job (median of ``rounds``) with ortq's packing connection
+    class and with redis-py's own (the class it subclasses, set before the pool made any), alternated."""
+    found: dict[str, list[float]] = {"redis-py": [], "ortq": []}
+    producers = {name: AsyncProducer(settings=Settings.from_url(url), allow_unknown_models=True) for name in found}
+    for pool in (
+        producers["redis-py"].connection.connection_pool,
+        producers["redis-py"]._default.reader.client.connection_pool,
+    ):
+        pool.connection_class = pool.connection_class.__mro__[1]
+    for _ in range(rounds):
+        for name, producer in producers.items():
+            started = time.process_time()
+            await producer.submit_many(MODEL, jobs)
+            found[name].append((time.process_time() - started) / len(jobs) * 1e6)
+        await producers["ortq"].connection.delete(f"rq:queue:ortq:{MODEL}")
+    for producer in producers.values():
+        await producer.aclose()
+    return {name: statistics.median(values) for name, values in found.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=256)
@@ -78,11 +100,14 @@ def main() -> None:
             client.delete(f"rq:queue:ortq:{MODEL}")
         for each in producers.values():
             each.close()
+        asynchronous = asyncio.run(async_cpu_us(server.url, jobs, args.rounds))
     print(f"packing one enqueue's commands, us of CPU: redis-py {statistics.median(packing['redis-py']):.1f}, "
           f"ortq {statistics.median(packing['ortq']):.1f}")  # fmt: skip
     old, new = statistics.median(submitting["redis-py"]), statistics.median(submitting["ortq"])
     print(f"submit_many of {args.jobs} jobs, us of CPU a job (median of {args.rounds}): redis-py's packer {old:.1f}, "
           f"ortq's {new:.1f} ({new / old:.2f}x)")  # fmt: skip
+    old, new = asynchronous["redis-py"], asynchronous["ortq"]
+    print(f"AsyncProducer.submit_many, the same: redis-py's packer {old:.1f}, ortq's {new:.1f} ({new / old:.2f}x)")
 
 
 if __name__ == "__main__":

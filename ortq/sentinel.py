@@ -28,6 +28,7 @@ import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 
+from ortq import redispack
 from ortq.errors import ConfigurationError
 
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -300,7 +301,8 @@ def async_connect(url: str, max_connections: int, **connection_kwargs: Any) -> r
         parsed.sentinels, sentinel_kwargs=parsed.sentinel_kwargs(socket_timeout), **connection_kwargs
     )
     kwargs = parsed.primary_kwargs()
-    kwargs["connection_class"] = AsyncPrimarySSLConnection if kwargs.pop("ssl", False) else AsyncPrimaryConnection
+    primary = AsyncPrimarySSLConnection if kwargs.pop("ssl", False) else AsyncPrimaryConnection
+    kwargs["connection_class"] = redispack.packing(primary)  # commands packed by hiredis in one call
     return async_primary(sentinel, parsed.service, max_connections, **kwargs)
 
 

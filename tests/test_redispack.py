@@ -29,7 +29,9 @@ ARGUMENT = st.one_of(
 
 
 def packed(packer: object, *args: object) -> bytes:
-    return b"".join(bytes(chunk) for chunk in packer.pack(*args))  # type: ignore[attr-defined]
+    """What ``packer`` (a command packer, or a connection) makes of a command, as one bytes."""
+    pack = getattr(packer, "pack", None) or packer.pack_command  # type: ignore[attr-defined]
+    return b"".join(bytes(chunk) for chunk in pack(*args))
 
 
 @settings(max_examples=300, deadline=None)
@@ -65,3 +67,25 @@ def test_settings_connect_packs_with_it_and_redis_reads_it(redis_url: str) -> No
         pipe.set(key + ":frame", memoryview(b"z" * 200_000)).strlen(key + ":frame").delete(key, key + ":frame")
         assert pipe.execute() == [True, 200_000, 2]
     client.close()
+
+
+def test_the_async_producers_connections_pack_with_it_too(redis_url: str) -> None:
+    """redis.asyncio's connections take no command_packer: AsyncProducer's pools (and a Sentinel
+    URL's, ortq.sentinel) use a subclass of their connection class whose pack_command is PACKER's."""
+    import asyncio
+
+    import numpy as np
+
+    from ortq.producer import AsyncProducer
+
+    async def use() -> None:
+        async with AsyncProducer(settings=Settings.from_url(redis_url), allow_unknown_models=True) as producer:
+            pool = producer.connection.connection_pool
+            connection = pool.make_connection()
+            args = ("HSET", "k", "f", "héllo", "n", 3, "x", 0.5)
+            assert connection.pack_command(*args) == PACKER.pack(*args)  # type: ignore[union-attr]
+            assert packed(connection, *args) == packed(REFERENCE, *args)
+            [job] = await producer.submit_many(f"pack-{uuid.uuid4().hex[:8]}", [{"x": np.ones((1, 4), np.float32)}])
+            assert await producer.connection.exists(f"rq:job:{job.id}") == 1  # what Redis read of it
+
+    asyncio.run(use())

@@ -23,7 +23,7 @@ import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ortq import keys, redisfaults, sentinel, tracing, wire
+from ortq import keys, redisfaults, redispack, sentinel, tracing, wire
 from ortq.errors import ConfigurationError, ResultTimeout
 from ortq.producer import cancelling, checks, enqueue, lookups, submitting
 from ortq.producer.enqueue import SubmitOptions
@@ -128,6 +128,7 @@ class AsyncProducer:
                 pool = redis.asyncio.BlockingConnectionPool.from_url(
                     redis_url, max_connections=self._max_connections, timeout=None, **options
                 )
+                pool.connection_class = redispack.packing(pool.connection_class)  # hiredis packs each command
                 connection = redis.asyncio.Redis.from_pool(pool)
             reader_client = self._reader_client(connection, options)
         except ValueError as exc:  # a query option redis-py cannot read

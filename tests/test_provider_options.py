@@ -36,19 +36,18 @@ needs_webgpu = pytest.mark.skipif(
     MISSING is not None and not (REQUIRED and _WEBGPU_POSSIBLE), reason=f"WebGPU cannot run here: {MISSING}"
 )
 
-#: What a CUDA session made with ``{"device_id": "0", "use_tf32": "0"}`` reports for its EP: the keys and
-#: the default values of ONNX Runtime's ``CUDAExecutionProviderInfo::ToProviderOptions`` (its source,
-#: onnxruntime/core/providers/cuda/cuda_execution_provider_info.cc), all as strings. Not recorded on a
-#: GPU (none was lent while this was written): bench/gpu/tf32.py prints the real one on the GPU host.
+#: What a CUDA session made with ``{"device_id": "0", "use_tf32": "0"}`` reports for its EP, all as
+#: strings: recorded by bench/gpu/tf32.py with onnxruntime-gpu 1.31.1 on a lent H100 (2026-12-06,
+#: docs/results/tf32-2026-12-06.json).
 CUDA_REPORTED = {
-    "device_id": "0", "has_user_compute_stream": "0", "user_compute_stream": "0",
+    "sdpa_kernel": "0", "use_tf32": "0", "fuse_conv_bias": "0", "prefer_nhwc": "0",
+    "tunable_op_max_tuning_duration_ms": "0", "tunable_op_enable": "0", "tunable_op_tuning_enable": "0",
+    "enable_cudnn": "1", "use_ep_level_unified_stream": "0", "device_id": "0", "has_user_compute_stream": "0",
+    "external_data_loader_reading_threads": "4", "gpu_external_empty_cache": "0",
+    "cudnn_conv_algo_search": "EXHAUSTIVE", "cudnn_conv1d_pad_to_nc1d": "0",
     "gpu_mem_limit": "18446744073709551615", "gpu_external_alloc": "0", "gpu_external_free": "0",
-    "gpu_external_empty_cache": "0", "arena_extend_strategy": "kNextPowerOfTwo",
-    "cudnn_conv_algo_search": "EXHAUSTIVE", "do_copy_in_default_stream": "1", "cudnn_conv_use_max_workspace": "1",
-    "enable_cuda_graph": "0", "cudnn_conv1d_pad_to_nc1d": "0", "tunable_op_enable": "0",
-    "tunable_op_tuning_enable": "0", "tunable_op_max_tuning_duration_ms": "0",
-    "enable_skip_layer_norm_strict_mode": "0", "prefer_nhwc": "0", "use_ep_level_unified_stream": "0",
-    "use_tf32": "0",
+    "arena_extend_strategy": "kNextPowerOfTwo", "do_copy_in_default_stream": "1", "enable_cuda_graph": "0",
+    "user_compute_stream": "0", "cudnn_conv_use_max_workspace": "1",
 }  # fmt: skip
 
 

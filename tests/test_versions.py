@@ -245,11 +245,12 @@ def test_a_burst_worker_answers_the_jobs_parked_for_its_version_before_it_exits(
         jobs = [producer.submit(model_name, {"x": x}, version="v1") for x in xs]
         parked = keys.parked_key(model_name, "v1")
         eventually(lambda: connection.llen(parked) == 3 and connection.llen(keys.queue_key(model_name)) == 0, 30)
-        [model] = [m for m in collect(connection)["models"] if m["model"] == model_name]
+        info = collect(connection)
+        [model] = [m for m in info["models"] if m["model"] == model_name]
         assert model["queued"] == 0 and model["parked"] == {"v1": 3}  # ortq info counts them, by version
         page = create_app(Settings.from_url(redis_url)).test_client().get("/").text  # and the dashboard shows them
         assert '<p data-field="parked">parked: 3 jobs pinned to version <code>v1</code>' in page
-        assert re.search(rf"^{re.escape(model_name)}\s+v2\s+0\s+3 for v1\s", format_info(collect(connection)), re.M)
+        assert re.search(rf"^{re.escape(model_name)}\s+v2\s+0\s+3 for v1\s", format_info(info), re.M)
         v2.send_signal(signal.SIGTERM)
         assert v2.wait(30) == 0
         burst = workers.start(v1_path, model_name, redis_url, "--model-version", "v1", "--burst")

@@ -117,7 +117,6 @@ class Presence:
             self._queue_signatures(pipe, current=False)
             pipe.type(keys.signature_key(self.identity.model))
             results = pipe.execute(raise_on_error=False)
-        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, results[-2])
         self.records.after_heartbeat(connection, results, positions, running)
         replies = results[asked : asked + len(running)]
         stops = [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
@@ -125,6 +124,7 @@ class Presence:
             log.error("%s held no string; replacing it", keys.signature_key(self.identity.model))
             connection.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
         _repair_set(connection, keys.WORKERS_SET, [self.name], results[registered])
+        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, results[-2])  # _queue_signatures' last
         return stops
 
     # ------------------------------------------------------------------ both ends
@@ -150,11 +150,11 @@ class Presence:
         self.records.register_birth(connection)
         with connection.pipeline(transaction=False) as pipe:
             self._queue_signatures(pipe, current=True)
-            replies = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, Exception) and not redisfaults.is_wrong_type(reply):
+            *written, added = pipe.execute(raise_on_error=False)
+        for reply in written:  # SET and EXPIRE take a key of any type: an error here is a refusal
+            if isinstance(reply, Exception):
                 raise reply
-        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, replies[-1])
+        _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, added)
 
     def unregister(self, connection: redis.Redis) -> None:
         """RQ's death of the worker, and ortq's records gone; left to expire if Redis refuses."""
@@ -171,11 +171,12 @@ class Presence:
 def _repair_set(connection: redis.Redis, key: str, members: list[str], reply: object) -> None:
     """Where ``reply`` (an SADD's to ``key``) says ``key`` holds another type (written by someone
     else), replace it with a set of ``members``; any other error it says is raised."""
-    if isinstance(reply, Exception) and not redisfaults.is_wrong_type(reply):
+    if not isinstance(reply, Exception):
+        return
+    if not redisfaults.is_wrong_type(reply):
         raise reply
-    if isinstance(reply, redis.ResponseError):
-        log.error("%s was no set (%s); replacing it", key, reply)
-        with connection.pipeline() as pipe:
-            pipe.delete(key)
-            pipe.sadd(key, *members)
-            pipe.execute()
+    log.error("%s was no set (%s); replacing it", key, reply)
+    with connection.pipeline() as pipe:
+        pipe.delete(key)
+        pipe.sadd(key, *members)
+        pipe.execute()

@@ -61,9 +61,14 @@ def test_worker_metrics_and_readiness(
         assert status == 200
         return _samples(text)
 
-    eventually(lambda: scraped().get(("ortq_inference_request_success_total", labels)) == 3)
+    failed = ("ortq_inference_request_failure_total", (*labels, ("reason", "InvalidInput")))
+    # The worker counts a job after writing its answer, so the producer can see an answer
+    # before the counter moves: wait for both counters, then check the rest.
+    eventually(
+        lambda: (now := scraped()).get(("ortq_inference_request_success_total", labels)) == 3 and now.get(failed) == 1
+    )
     samples = scraped()
-    assert samples[("ortq_inference_request_failure_total", (*labels, ("reason", "InvalidInput")))] == 1
+    assert samples[failed] == 1
     assert samples[("ortq_inference_compute_duration_seconds_count", labels)] == 3
     assert samples[("ortq_batch_size_count", labels)] == 3
     assert samples[("ortq_worker_ready", labels)] == 1

@@ -259,3 +259,23 @@ def test_a_burst_worker_answers_the_jobs_parked_for_its_version_before_it_exits(
         for job, x in zip(jobs, xs, strict=True):
             np.testing.assert_array_equal(job.result(timeout=5)["y"], reference.run(None, {"x": x})[0])
         assert not connection.exists(parked)
+
+
+def test_a_starting_worker_removes_the_signature_members_whose_record_expired(
+    models_dir: Path, model_name: str, redis_url: str, connection: redis.Redis, workers: WorkerProcesses
+) -> None:
+    """The workers' set of signature records (what ortq info and the exporter read) would keep one
+    member for every version ever served: a starting worker removes those whose record is gone, and
+    leaves those whose record is there (another model's, its own)."""
+    expired = [f"{model_name}-old", f"{model_name}-old@v9", "no such name!"]
+    kept = f"{model_name}-other@v1"
+    connection.set(keys.signature_key(f"{model_name}-other", "v1"), "{}", ex=60)
+    connection.sadd(keys.SIGNATURES_SET, *expired, kept)
+    path = onnx_models.tiny_model(models_dir / "prune.onnx")
+    workers.start(path, model_name, redis_url, "--model-version", "v3")
+    with Producer(settings=Settings.from_url(redis_url)) as producer:
+        eventually(lambda: _versions_live(producer, model_name) == ["v3"], 60)
+    members = {m.decode() for m in connection.smembers(keys.SIGNATURES_SET)}  # type: ignore[union-attr]
+    assert {model_name, f"{model_name}@v3", kept} <= members
+    assert not set(expired) & members
+    connection.srem(keys.SIGNATURES_SET, kept)

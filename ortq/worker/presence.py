@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -155,6 +155,13 @@ class Presence:
             if isinstance(reply, Exception):
                 raise reply
         _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, added)
+        try:
+            pruned = prune_signatures(connection)
+        except redis.RedisError as exc:  # housekeeping: the next worker to start tries again
+            log.warning("could not prune %s (%s)", keys.SIGNATURES_SET, exc)
+        else:
+            if pruned:
+                log.info("%d member(s) of %s named no signature record: removed", pruned, keys.SIGNATURES_SET)
 
     def unregister(self, connection: redis.Redis) -> None:
         """RQ's death of the worker, and ortq's records gone; left to expire if Redis refuses."""
@@ -166,6 +173,28 @@ class Presence:
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the records expire by themselves", exc)
+
+
+#: Members of keys.SIGNATURES_SET that a starting worker checks at most, chosen at random: a bound
+#: on one start's work whatever the set holds (anyone with write access could fill it).
+PRUNE_AT_MOST = 1000
+
+
+def prune_signatures(connection: redis.Redis) -> int:
+    """Remove from keys.SIGNATURES_SET the members whose signature record is gone: the record of a
+    version no worker serves any more expires, and the set would otherwise keep one member for every
+    version ever served. Safe beside live workers: each writes its record before its member and
+    adds both again at every heartbeat. Returns how many members were removed."""
+    if keys.as_text(connection.type(keys.SIGNATURES_SET)) != "set":
+        return 0
+    members = cast(list[bytes], connection.srandmember(keys.SIGNATURES_SET, PRUNE_AT_MOST) or [])
+    prefix = keys.signature_key("").encode()
+    with connection.pipeline(transaction=False) as pipe:
+        for member in members:
+            pipe.exists(prefix + member)
+        found = pipe.execute()
+    gone = [member for member, count in zip(members, found, strict=True) if count == 0]
+    return int(connection.srem(keys.SIGNATURES_SET, *gone)) if gone else 0
 
 
 def _repair_set(connection: redis.Redis, key: str, members: list[str], reply: object) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from types import TracebackType
 
 
@@ -61,16 +62,7 @@ class ResettingProxy:
         with self._lock:
             pairs, self._pairs = self._pairs, []
         for client, upstream in pairs:
-            # SO_LINGER 0: close sends an RST, not a FIN. SHUT_RD first wakes the pump blocked in
-            # recv on it (closing alone would not), and sends nothing.
-            for end, how in ((client, socket.SHUT_RD), (upstream, socket.SHUT_RDWR)):
-                try:
-                    if end is client:
-                        end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    end.shutdown(how)
-                except OSError:
-                    pass
-                end.close()
+            _reset(client, upstream)
         self.resets += len(pairs)
         return len(pairs)
 
@@ -84,3 +76,64 @@ class ResettingProxy:
 
     def __exit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None) -> None:
         self.close()
+
+
+def _reset(client: socket.socket, upstream: socket.socket) -> None:
+    """Break one proxied connection: the client gets ECONNRESET, Redis sees it closed."""
+    # SO_LINGER 0: close sends an RST, not a FIN. SHUT_RD first wakes the pump blocked in recv on
+    # it (closing alone would not), and sends nothing.
+    for end, how in ((client, socket.SHUT_RD), (upstream, socket.SHUT_RDWR)):
+        try:
+            if end is client:
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            end.shutdown(how)
+        except OSError:
+            pass
+        end.close()
+
+
+class ExecCuttingProxy(ResettingProxy):
+    """A ResettingProxy that also breaks the connection that sends the next ``EXEC`` (once armed
+    by ``cut_next_exec``): ``before`` Redis gets it (the transaction is discarded with the
+    connection: nothing of it runs), or ``after`` Redis ran it, its reply lost (what redis-py sees
+    either way: a reset connection). ``stall`` and ``mute`` leave the connection open instead, so
+    that the client's read times out: the ``EXEC`` held back (it never runs), or run with its
+    reply held back."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._armed: str | None = None
+        self._muted: set[socket.socket] = set()
+        #: Connections cut at an EXEC so far.
+        self.cuts = 0
+        super().__init__(upstream_port)
+
+    def cut_next_exec(self, mode: str) -> None:
+        assert mode in ("before", "after", "stall", "mute"), mode
+        self._armed = mode
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:  # type: ignore[override]
+        with self._lock:
+            from_client = any(source is client for client, _ in self._pairs)
+        try:
+            while data := source.recv(1 << 16):
+                if from_client and self._armed and b"\r\nEXEC\r\n" in data:
+                    mode, self._armed = self._armed, None
+                    self.cuts += 1
+                    if mode in ("after", "mute"):
+                        self._muted.add(sink)  # Redis's replies on this connection go nowhere
+                        sink.sendall(data)
+                    if mode in ("stall", "mute"):
+                        continue
+                    if mode == "after":
+                        time.sleep(0.3)  # Redis runs it
+                    with self._lock:
+                        self._pairs = [pair for pair in self._pairs if pair[0] is not source]
+                    _reset(source, sink)
+                    return
+                if source not in self._muted:
+                    sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)

@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 
 from ortq import keys, redisfaults, redispack, sentinel, tracing, wire
 from ortq.errors import ConfigurationError, ResultTimeout
-from ortq.producer import cancelling, checks, enqueue, lookups, submitting
+from ortq.producer import cancelling, checks, enqueue, lookups, once, submitting
 from ortq.producer.enqueue import SubmitOptions
 from ortq.producer.replies import ReplyReader
 from ortq.producer.routes import Routes
@@ -367,6 +367,6 @@ async def _send(connection: redis.asyncio.Redis, request: Request) -> Any:
     if isinstance(request, Round):
         async with connection.pipeline(transaction=request.transaction) as pipe:
             request.queue(pipe)
-            return await pipe.execute(raise_on_error=False)
+            return await (once.execute_async(pipe) if request.once else pipe.execute(raise_on_error=False))
     await asyncio.sleep(request.seconds)
     return None

@@ -17,7 +17,7 @@ import redis
 
 from ortq import keys, redisfaults, tracing, wire
 from ortq.errors import ResultTimeout
-from ortq.producer import cancelling, checks, enqueue, lookups, submitting, waiting
+from ortq.producer import cancelling, checks, enqueue, lookups, once, submitting, waiting
 from ortq.producer.enqueue import SubmitOptions
 from ortq.producer.routes import Routes
 from ortq.producer.steps import Command, Request, Round, Stepper, Steps
@@ -296,6 +296,6 @@ def _send(connection: redis.Redis, request: Request) -> Any:
     if isinstance(request, Round):
         with connection.pipeline(transaction=request.transaction) as pipe:
             request.queue(pipe)
-            return pipe.execute(raise_on_error=False)
+            return once.execute(pipe) if request.once else pipe.execute(raise_on_error=False)
     time.sleep(request.seconds)
     return None

@@ -38,13 +38,19 @@ class Command:
 class Round:
     """Commands sent in one round trip: ``queue(pipe)`` queues them on a redis-py pipeline (a
     MULTI/EXEC with ``transaction``); the reply is each command's, an error in the place of one
-    that failed (``execute(raise_on_error=False)``)."""
+    that failed (``execute(raise_on_error=False)``).
 
-    __slots__ = ("queue", "transaction")
+    ``once``: sent once, never again by redis-py's own retries after a connection error or a
+    timeout (the transport turns them off for it; the error reaches the steps). A MULTI whose
+    EXEC ran but whose reply was lost would, sent again, enqueue its jobs a second time; the
+    steps find out instead whether it ran (``submitting``)."""
 
-    def __init__(self, queue: Callable[[Any], object], *, transaction: bool) -> None:
+    __slots__ = ("once", "queue", "transaction")
+
+    def __init__(self, queue: Callable[[Any], object], *, transaction: bool, once: bool = False) -> None:
         self.queue = queue
         self.transaction = transaction
+        self.once = once
 
 
 class Pause:

@@ -73,12 +73,14 @@ def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list
     so that nothing is left half-enqueued. Returns the jobs' ids."""
     ids = _new_ids(frames)
     try:
-        results = yield Round(lambda pipe: _enqueues(pipe, model, frames, options, ids, False), transaction=True)
+        results = yield from _multi(model, frames, options, ids, False)
     except redis.ResponseError as exc:
         if not enqueue.is_refused_fcall(exc, options):
             raise
         ids = _new_ids(frames)
-        results = yield Round(lambda pipe: _enqueues(pipe, model, frames, options, ids, True), transaction=True)
+        results = yield from _multi(model, frames, options, ids, True)
+    if results is None:  # it ran, and its replies were lost: a MULTI goes in whole
+        return ids
     by_eval, broken = enqueue.split_failures(results, ids)
     if by_eval:
         again = yield Round(lambda pipe: _enqueues_high_by_eval(pipe, model, by_eval, options), transaction=False)
@@ -87,6 +89,50 @@ def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list
         yield Round(lambda pipe: _deletes(pipe, model, [job_id for job_id, _ in broken]), transaction=True)
         raise enqueue.enqueue_failure(model, broken, len(ids))
     return ids
+
+
+def _multi(
+    model: str, frames: list[bytes], options: JobOptions, ids: list[str], by_eval: bool
+) -> Steps[list[Any] | None]:
+    """The enqueue MULTI of ``ids``: its EXEC replies, or None when it ran but they were lost.
+
+    It is sent once (steps.Round ``once``: never again by redis-py's retries). After a connection
+    error or a timeout, the jobs' records are read back: any of them there means that EXEC ran (a
+    MULTI goes in whole or not at all), and it is not sent again (its jobs would go in twice, and a
+    job started meanwhile would be set back to ``queued`` and run twice). None there after a broken
+    connection means that it did not run, and it is sent once more; after a timeout it may still
+    run (Redis was slow, not gone), so the timeout is raised. What is raised is the caller's to
+    report (BrokerUnavailable: maybe enqueued)."""
+    sends = 2
+    while True:
+        sends -= 1
+        try:
+            replies: list[Any] = yield Round(
+                lambda pipe: _enqueues(pipe, model, frames, options, ids, by_eval), transaction=True, once=True
+            )
+            return replies
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if (yield from _went_in(model, ids)):
+                return None
+            if not sends or isinstance(exc, redis.TimeoutError):
+                raise exc
+
+
+def _went_in(model: str, ids: list[str]) -> Steps[bool]:
+    """Whether any of the jobs ``ids`` is in Redis: its job hash, or (answered and gone since) its reply."""
+    replies = yield Round(lambda pipe: _probes(pipe, model, ids), transaction=False)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return any(origin is not None for origin in replies[0::2]) or any(
+        keys.as_text(kind) != "none" for kind in replies[1::2]
+    )
+
+
+def _probes(pipe: Any, model: str, ids: list[str]) -> None:
+    for job_id in ids:
+        pipe.hget(keys.job_key(job_id), "origin")
+        pipe.type(keys.reply_key(model, job_id))
 
 
 def _confirmed(settings: Settings) -> Steps[None]:

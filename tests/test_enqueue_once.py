@@ -1,0 +1,112 @@
+"""An enqueue whose connection breaks at its EXEC puts its jobs in once (ortq/producer/once.py).
+
+redis-py sends a pipeline again after a connection error (Producer: its default retries;
+AsyncProducer: one). For the enqueue MULTI that was wrong when EXEC had run and only its reply was
+lost: the jobs went in twice, and a job started before the second write was set back to
+``queued`` by it and run a second time. Here a real redis-server sits behind a proxy that breaks
+the connection at the next EXEC (tests/tcp_proxy.py), before Redis gets it or after Redis ran it,
+and each producer's submit must leave every job queued once, its status untouched by a second
+write; a real worker then answers the job once, with what ``session.run`` gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import redis
+
+from ortq import keys
+from ortq.errors import BrokerUnavailable
+from ortq.producer import AsyncProducer, Producer
+from ortq.rqcompat import layout
+from ortq.settings import Settings
+from tests.conftest import WorkerProcesses
+from tests.tcp_proxy import ExecCuttingProxy
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+MODES = ("before", "after")
+
+
+@pytest.fixture
+def proxy(redis_url: str) -> object:
+    with ExecCuttingProxy(urlparse(redis_url).port or 6379) as running:
+        yield running
+
+
+def _queued_once(connection: redis.Redis, model: str, ids: list[str]) -> None:
+    entries = [keys.as_text(e) for e in connection.lrange(keys.queue_key(model), 0, -1)]  # type: ignore[union-attr]
+    assert sorted(entries) == sorted(ids), f"queued other than once each: {entries}"
+    for job_id in ids:
+        assert connection.hget(layout.job_key(job_id), "status") == b"queued"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_producers_enqueue_cut_at_exec_goes_in_once(
+    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+) -> None:
+    with Producer(settings=Settings.from_url(proxy.url), allow_unknown_models=True) as producer:
+        proxy.cut_next_exec(mode)
+        jobs = producer.submit_many(model_name, [{"x": X}, {"x": X + 1}])
+    assert proxy.cuts == 1
+    _queued_once(connection, model_name, [job.id for job in jobs])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_async_producers_enqueue_cut_at_exec_goes_in_once(
+    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+) -> None:
+    async def submit() -> list[str]:
+        async with AsyncProducer(settings=Settings.from_url(proxy.url), allow_unknown_models=True) as producer:
+            proxy.cut_next_exec(mode)
+            return [job.id for job in await producer.submit_many(model_name, [{"x": X}, {"x": X + 1}])]
+
+    ids = asyncio.run(submit())
+    assert proxy.cuts == 1
+    _queued_once(connection, model_name, ids)
+
+
+def test_an_enqueue_whose_exec_reply_timed_out_is_enqueued_or_reported_as_maybe(
+    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str
+) -> None:
+    """A timeout is not a broken connection: Redis may be slow, not gone, and run the EXEC later,
+    so it is never sent again. Ran (its reply held back): the submit succeeds, the job queued once.
+    Not run (the EXEC held back): BrokerUnavailable, saying the jobs may have been enqueued."""
+    settings = Settings.from_url(proxy.url, socket_timeout=2.0)
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        proxy.cut_next_exec("mute")
+        [job] = producer.submit_many(model_name, [{"x": X}])
+        _queued_once(connection, model_name, [job.id])
+        proxy.cut_next_exec("stall")
+        with pytest.raises(BrokerUnavailable, match="may have been enqueued"):
+            producer.submit_many(model_name, [{"x": X}])
+    assert proxy.cuts == 2
+    _queued_once(connection, model_name, [job.id])
+
+
+def test_a_job_whose_enqueue_reply_was_lost_is_run_and_answered_once(
+    proxy: ExecCuttingProxy,
+    connection: redis.Redis,
+    model_name: str,
+    redis_url: str,
+    tiny_path: Path,
+    workers: WorkerProcesses,
+) -> None:
+    """The whole path: the submit's EXEC ran and its reply was lost; a real worker answers the job,
+    once, with the model's outputs."""
+    with Producer(settings=Settings.from_url(proxy.url)) as producer:
+        workers.start(tiny_path, model_name, redis_url)
+        assert producer.wait_for_workers(model_name, timeout=60)
+        proxy.cut_next_exec("after")
+        job = producer.submit(model_name, {"x": X})
+        assert proxy.cuts == 1
+        outputs = job.result(timeout=30)
+    expected = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+    np.testing.assert_array_equal(outputs["y"], expected)
+    assert connection.xlen(keys.reply_key(model_name, job.id)) == 1
+    assert connection.xlen(layout.results_key(job.id)) == 1
+    assert connection.llen(keys.queue_key(model_name)) == 0

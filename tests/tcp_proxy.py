@@ -116,7 +116,7 @@ class ExecCuttingProxy(ResettingProxy):
             from_client = any(source is client for client, _ in self._pairs)
         try:
             while data := source.recv(1 << 16):
-                if from_client and self._armed and b"\r\nEXEC\r\n" in data:
+                if from_client and self._armed and b"\r\nexec\r\n" in data.lower():
                     mode, self._armed = self._armed, None
                     self.cuts += 1
                     if mode in ("after", "mute"):

@@ -20,16 +20,18 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import redis
 
-from ortq import redisfunctions, wire
+from ortq import keys, redisfunctions, wire
 from ortq.localredis import LocalRedis
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses
+from tests.tcp_proxy import ExecCuttingProxy
 from tests.test_raw_redis import doc_high_priority_script
 
 CLIENT = REPO / "clients" / "node"
@@ -331,3 +333,18 @@ def test_many_jobs_in_one_transaction(
     for result, x in zip(answer["results"], xs, strict=False):
         assert_bit_exact(result["outputs"], {"y": x * 2 + 1})
     assert answer["results"][-1]["error"]["type"] == "InvalidInput"
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_an_enqueue_cut_at_exec_goes_in_once(node_client: Path, redis_url: str, model_name: str, mode: str) -> None:
+    """Section 3.2: the client never sends its MULTI again blind (ioredis would, after it
+    reconnects): a connection broken before Redis got the EXEC, or after it ran it, leaves the job
+    queued once (tests/test_enqueue_once.py does the same to the Python producers)."""
+    r = redis.Redis.from_url(redis_url)
+    with ExecCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
+        proxy.cut_next_exec(mode)
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        answer = cli("submit", proxy.url, model_name, "--allow-unknown-model", stdin=as_json({"x": x}))
+        assert proxy.cuts == 1
+    assert [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)] == [answer["job"]]  # type: ignore[union-attr]
+    assert r.hget(f"rq:job:{answer['job']}", "status") == b"queued"

@@ -157,9 +157,13 @@ export class Client {
     // Blocking reads get a connection of their own (section 4.2): a command queued behind an
     // XREAD BLOCK on one connection would wait for it.
     this.blocking = this.redis.duplicate();
+    // Enqueue transactions get a connection of their own that never sends an unanswered command
+    // again after a reconnect and fails it at once when the connection drops (section 3.2: an EXEC
+    // whose reply was lost may have run; whether it did is read back, see #enqueueOnce).
+    this.enqueuer = this.redis.duplicate({ autoResendUnfulfilledCommands: false, maxRetriesPerRequest: 0 });
     // Connection trouble surfaces as the failed command's error; without listeners ioredis would
     // also print every reconnection attempt.
-    for (const connection of [this.redis, this.blocking]) connection.on('error', () => {});
+    for (const connection of [this.redis, this.blocking, this.enqueuer]) connection.on('error', () => {});
     /** job id -> {model, nonce, proof} of each job this client submitted, until its result has
      * been read: `nonce` is what its request carried, `proof` (proofOf(model, nonce)) what its
      * response must carry. */
@@ -167,7 +171,7 @@ export class Client {
   }
 
   async close() {
-    await Promise.allSettled([this.redis.quit(), this.blocking.quit()]);
+    await Promise.allSettled([this.redis.quit(), this.blocking.quit(), this.enqueuer.quit()]);
   }
 
   queueKey(model) {
@@ -223,23 +227,50 @@ export class Client {
     const doing = `could not enqueue ${jobs.length} job(s) for ${model} (if the connection dropped during the write they may have been enqueued)`;
     let replies;
     try {
-      replies = await this.#enqueue(jobs, settings, 'fcall');
+      replies = await this.#enqueueOnce(jobs, settings, 'fcall');
     } catch (err) {
       // Redis 6.2 has no FCALL: refused as it is queued, the whole transaction was discarded.
       const noFcall = /EXECABORT/.test(err.message) && /unknown command/i.test(String(err.previousErrors?.map((e) => e.message)));
       if (!(priority === 'high' && noFcall)) throw redisFailure(err, doing);
-      replies = await redisCall(doing, this.#enqueue(jobs, settings, 'eval'));
+      replies = await redisCall(doing, this.#enqueueOnce(jobs, settings, 'eval'));
     }
-    await redisCall(doing, this.#settle(jobs, settings, replies));
+    // null: the transaction ran and its replies were lost (a MULTI goes in whole)
+    if (replies !== null) await redisCall(doing, this.#settle(jobs, settings, replies));
     for (const job of jobs) this.jobs.set(job.id, { model, nonce: job.nonce, proof: job.proof });
     return jobs.map((job) => job.id);
+  }
+
+  /** #enqueue, sent once (section 3.2): after a broken connection or a timeout its jobs' records
+   * are read back. There: it ran and its replies were lost, and null is returned (sent again, it
+   * would queue the jobs twice, and set a job started meanwhile back to queued, to run twice). Not
+   * there after a broken connection: sent once more; after a timeout (Redis may still run it): the
+   * error, which the caller reports as maybe enqueued. */
+  async #enqueueOnce(jobs, settings, how) {
+    for (let sends = 2; ; sends -= 1) {
+      try {
+        return await this.#enqueue(jobs, settings, how);
+      } catch (err) {
+        if (err instanceof ReplyError) throw err; // Redis answered (EXECABORT): nothing of it ran
+        if (await this.#wentIn(jobs, settings.model)) return null;
+        if (sends === 1 || /timed out/i.test(err.message)) throw err;
+      }
+    }
+  }
+
+  /** Whether any of `jobs` is in Redis: its job hash, or (answered and gone since) its reply. */
+  async #wentIn(jobs, model) {
+    const probe = this.redis.pipeline();
+    for (const job of jobs) probe.hget(this.jobKey(job.id), 'origin').type(replyKey(model, job.id));
+    const replies = await probe.exec();
+    for (const [err] of replies) if (err) throw err;
+    return replies.some(([, value], i) => (i % 2 === 0 ? value !== null : value !== 'none'));
   }
 
   /** Section 3.2's five commands per job in one MULTI/EXEC; the [error, reply] of each command. */
   #enqueue(jobs, { model, priority, ttl, jobTimeout, wait }, how) {
     const now = new Date().toISOString(); // RQ's format: UTC, 3 fraction digits, Z
     const queue = this.queueKey(model);
-    const multi = this.redis.multi();
+    const multi = this.enqueuer.multi();
     for (const job of jobs) {
       const fields = {
         status: 'queued',

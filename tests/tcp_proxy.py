@@ -46,16 +46,20 @@ class ResettingProxy:
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), name="proxy-pump", daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
-            while data := source.recv(1 << 16):
-                sink.sendall(data)
+            while (data := source.recv(1 << 16)) and self._forward(source, sink, data):
+                pass
         except OSError:
             pass
         for end in (source, sink):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
+
+    def _forward(self, source: socket.socket, sink: socket.socket, data: bytes) -> bool:
+        """Pass ``data`` on; whether to go on pumping."""
+        sink.sendall(data)
+        return True
 
     def reset_all(self) -> int:
         """Reset every open connection (the client side gets ECONNRESET); how many there were."""
@@ -111,29 +115,27 @@ class ExecCuttingProxy(ResettingProxy):
         assert mode in ("before", "after", "stall", "mute"), mode
         self._armed = mode
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:  # type: ignore[override]
+    def _forward(self, source: socket.socket, sink: socket.socket, data: bytes) -> bool:
+        if self._armed and b"\r\nexec\r\n" in data.lower():
+            with self._lock:
+                from_client = any(source is client for client, _ in self._pairs)
+            if from_client:
+                return self._cut(source, sink, data)
+        if source not in self._muted:
+            sink.sendall(data)
+        return True
+
+    def _cut(self, client: socket.socket, upstream: socket.socket, data: bytes) -> bool:
+        mode, self._armed = self._armed, None
+        self.cuts += 1
+        if mode in ("after", "mute"):
+            self._muted.add(upstream)  # Redis's replies on this connection go nowhere
+            upstream.sendall(data)
+        if mode in ("stall", "mute"):
+            return True
+        if mode == "after":
+            time.sleep(0.3)  # Redis runs it
         with self._lock:
-            from_client = any(source is client for client, _ in self._pairs)
-        try:
-            while data := source.recv(1 << 16):
-                if from_client and self._armed and b"\r\nexec\r\n" in data.lower():
-                    mode, self._armed = self._armed, None
-                    self.cuts += 1
-                    if mode in ("after", "mute"):
-                        self._muted.add(sink)  # Redis's replies on this connection go nowhere
-                        sink.sendall(data)
-                    if mode in ("stall", "mute"):
-                        continue
-                    if mode == "after":
-                        time.sleep(0.3)  # Redis runs it
-                    with self._lock:
-                        self._pairs = [pair for pair in self._pairs if pair[0] is not source]
-                    _reset(source, sink)
-                    return
-                if source not in self._muted:
-                    sink.sendall(data)
-        except OSError:
-            pass
-        for end in (source, sink):
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
+            self._pairs = [pair for pair in self._pairs if pair[0] is not client]
+        _reset(client, upstream)
+        return False

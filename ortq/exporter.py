@@ -34,11 +34,11 @@ from prometheus_client.registry import Collector
 from ortq import keys
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
-from ortq.info import GONE, collect_shards
+from ortq.info import GONE, collect_shards, shard_clients
 from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
-from ortq.settings import REDIS_DOWN, Settings
+from ortq.settings import Settings
 from ortq.shards import ShardMap
 
 log = logging.getLogger("ortq.exporter")
@@ -192,25 +192,10 @@ def _said(value: object) -> str:
     return repr(value[:64] if isinstance(value, bytes) else value)
 
 
-def clients_for(settings: Settings) -> tuple[ShardMap, dict[str, redis.Redis]]:
-    """The shard map (one with no entries without one) and a client per Redis in it. A login, TLS
-    or ACL mistake is ConfigurationError now; a Redis that is down now is logged and read later."""
-    shards = settings.shards or ShardMap(settings.redis_url)
-    clients: dict[str, redis.Redis] = {}
-    for url in shards.urls():
-        try:
-            clients[url] = settings.for_redis(url).connect()
-        except REDIS_DOWN as exc:
-            log.warning("Redis at %s is unreachable now (%s); serving ortq_exporter_redis_up 0 until it is",
-                        redacted_url(url), exc)  # fmt: skip
-            clients[url] = settings.for_redis(url).connect(check=False)
-    return shards, clients
-
-
 def serve(settings: Settings, host: str, port: int, stop: threading.Event | None = None) -> int:
     """Serve /metrics on ``host:port`` until SIGTERM or SIGINT (or ``stop`` is set); returns 0. A
     port that cannot be bound is ConfigurationError."""
-    shards, clients = clients_for(settings)
+    shards, clients = shard_clients(settings, "serving ortq_exporter_redis_up 0 until it is back")
     registry = CollectorRegistry()
     registry.register(QueueCollector(clients, shards, settings.heartbeat_seconds))
     try:

@@ -7,6 +7,7 @@ would, for the workers' records).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -20,10 +21,12 @@ from ortq.errors import ConfigurationError, WireFormatError
 from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
-from ortq.settings import Settings
+from ortq.settings import REDIS_DOWN, Settings
 from ortq.shards import ShardMap
 from ortq.signature import ModelSignature
 from ortq.worker.upkeep import DEAD_AFTER_BEATS
+
+log = logging.getLogger("ortq")
 
 #: A worker whose last heartbeat is older than this many heartbeat intervals is gone (killed, or its
 #: host lost): the rule by which the other workers take back its jobs, so that what ``ortq info``
@@ -253,13 +256,36 @@ def collect_shards(
         for model in collect(connection, heartbeat_seconds)["models"]:
             model["redis"] = redacted_url(url)
             models.append(model)
-            home = shards.url_for(model["model"])
-            if home != url and (model["workers"] or model["queued"]):
-                warnings.append(
-                    f"model {model['model']!r} has {len(model['workers'])} worker(s) and {model['queued']} queued "
-                    f"job(s) on {redacted_url(url)}, but the shard map sends its jobs to {redacted_url(home)}"
-                )
+            if (warning := misplaced(model, url, shards)) is not None:
+                warnings.append(warning)
     return {"models": models, "warnings": warnings}
+
+
+def misplaced(model: dict[str, Any], url: str, shards: ShardMap) -> str | None:
+    """The warning for ``model`` (one of :func:`collect`'s, read on ``url``) when it has workers or
+    queued jobs on a Redis the shard map does not send it to (a worker started with the wrong URL)."""
+    home = shards.url_for(model["model"])
+    if home == url or not (model["workers"] or model["queued"]):
+        return None
+    return (
+        f"model {model['model']!r} has {len(model['workers'])} worker(s) and {model['queued']} queued "
+        f"job(s) on {redacted_url(url)}, but the shard map sends its jobs to {redacted_url(home)}"
+    )
+
+
+def shard_clients(settings: Settings, meanwhile: str) -> tuple[ShardMap, dict[str, redis.Redis]]:
+    """The shard map (one with no entries without one) and a client per Redis in it, the default
+    first. A login, TLS or ACL mistake is ConfigurationError now; a Redis that is down now is
+    logged, with ``meanwhile`` (what the reader shows until it is back), and read later."""
+    shards = settings.shards or ShardMap(settings.redis_url)
+    clients: dict[str, redis.Redis] = {}
+    for url in shards.urls():
+        try:
+            clients[url] = settings.for_redis(url).connect()
+        except REDIS_DOWN as exc:
+            log.warning("Redis at %s is unreachable now (%s); %s", redacted_url(url), exc, meanwhile)
+            clients[url] = settings.for_redis(url).connect(check=False)
+    return shards, clients
 
 
 def _shape(spec: dict[str, Any]) -> str:

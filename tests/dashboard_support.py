@@ -173,7 +173,7 @@ from werkzeug.serving import make_server
 from ortq.dashboard import rqdash
 app = make_flask_app(None, None, None, "/rq")
 rqdash.install()  # pickle-free, as ortq's, but none of ortq's other fixes
-rqdash.connect_blueprint(app, redis.Redis.from_url(sys.argv[1]), sys.argv[1])
+rqdash.connect_blueprint(app, {sys.argv[1]: redis.Redis.from_url(sys.argv[1])})
 server = make_server("127.0.0.1", 0, app, threaded=True)
 print(f"http://127.0.0.1:{server.server_port}/", flush=True)
 server.serve_forever()

@@ -289,7 +289,7 @@ app = make_flask_app(None, None, None, "/rq")
 if sys.argv[2] == "ortq":
     from ortq.dashboard import rqdash
     rqdash.install()
-    rqdash.connect_blueprint(app, redis.Redis.from_url(sys.argv[1]), sys.argv[1])
+    rqdash.connect_blueprint(app, {sys.argv[1]: redis.Redis.from_url(sys.argv[1])})
 else:
     app.config["RQ_DASHBOARD_REDIS_URL"] = sys.argv[1]
     setup_rq_connection(app)

@@ -21,7 +21,7 @@ from ortq.dashboard.page import TEMPLATE, UNREACHABLE, page_context
 from ortq.dashboard.records import describe
 from ortq.dashboard.templates import PatchedTemplates
 from ortq.errors import ConfigurationError
-from ortq.info import collect
+from ortq.info import collect, collect_shards, shard_clients
 from ortq.redisurls import redacted_url
 from ortq.settings import REDIS_DOWN, Settings
 
@@ -54,23 +54,21 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
     app = DashboardFlask(__name__, static_folder=str(rqdash.STATIC_DIR), static_url_path="/static")
     assert app.jinja_loader is not None  # patches and checks the templates now, not at the first page
     guard.install(app, access or guard.Access())
-    try:
-        connection = settings.connect()  # a wrong password or certificate stops it here
-    except redis.ConnectionError as exc:
-        # Unreachable for now: serve anyway; the pages say so until Redis is back.
-        log.warning("Redis at %s is unreachable (%s); serving anyway", redacted_url(settings.redis_url), exc)
-        connection = settings.connect(check=False)
+    # A wrong password or certificate stops it here; an unreachable Redis is served anyway, the
+    # pages saying so until it is back.
+    shards, connections = shard_clients(settings, "serving anyway")
     app.register_blueprint(blueprint, url_prefix=RQ_PREFIX)
-    rqdash.connect_blueprint(app, connection, settings.redis_url)
+    rqdash.connect_blueprint(app, connections)
     rqviews.install_views(app)
     app.before_request(rqviews.check_arguments)
+    where = ", ".join(redacted_url(url) for url in connections)
 
-    def job_url(job_id: str) -> str:
-        return url_for("rq_dashboard.job_view", instance_number=0, job_id=job_id)
+    def job_url(job_id: str, instance: int = 0) -> str:
+        return url_for("rq_dashboard.job_view", instance_number=instance, job_id=job_id)
 
     @app.get("/")
     def overview() -> Response:
-        context = page_context(connection, settings.redis_url, settings.heartbeat_seconds)
+        context = page_context(connections, shards, settings.heartbeat_seconds)
         html = render_template_string(
             TEMPLATE, refresh_seconds=refresh_seconds, rq_url=url_for("rq_dashboard.queues_overview"),
             job_url=job_url, **context,
@@ -80,7 +78,9 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
     @app.get("/api/info")
     def api_info() -> Response | tuple[Response, int]:
         try:
-            return jsonify(collect(connection, settings.heartbeat_seconds))
+            if len(connections) == 1:
+                return jsonify(collect(next(iter(connections.values())), settings.heartbeat_seconds))
+            return jsonify(collect_shards(connections, shards, settings.heartbeat_seconds))  # "redis", "warnings"
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a record ortq cannot read (the page at / says the same)
@@ -92,7 +92,7 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
         log.warning("Redis unreachable: %s", exc)
         # Reloads itself too, so that a page left open comes back with Redis.
         return render_template_string(UNREACHABLE, refresh_seconds=refresh_seconds, error=str(exc),
-                                      where=redacted_url(settings.redis_url)), 503  # fmt: skip
+                                      where=where), 503  # fmt: skip
 
     return app
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ortq.cliopts import redis_url_option
+from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
 from ortq.settings import Settings
 
@@ -52,8 +52,14 @@ it unless --auth is set (HTTP Basic: put it behind TLS, e.g. a reverse proxy, of
     "(DNS rebinding). Repeatable. Listening on 127.0.0.1 allows only localhost names.",
 )
 @redis_url_option()
-def dashboard(host: str, port: int, auth: str | None, allowed_hosts: tuple[str, ...], redis_url: str | None) -> None:
+@shards_option()
+def dashboard(
+    host: str, port: int, auth: str | None, allowed_hosts: tuple[str, ...], redis_url: str | None, shards: str | None
+) -> None:
     """Serve the web dashboard: ortq's models, workers and queues at /, rq-dashboard at /rq/.
+
+    With a shard map, every Redis in it: a section each at /, and rq-dashboard's instances 0, 1,
+    ... (its instance menu), the default Redis first.
 
     Nothing it reads from Redis is unpickled: rq-dashboard runs with ortq's msgpack serializer
     and job class. Needs the dashboard extra: pip install "ortq[dashboard]".
@@ -75,7 +81,7 @@ def dashboard(host: str, port: int, auth: str | None, allowed_hosts: tuple[str, 
             err=True,
         )
     try:
-        app = create_app(Settings.from_env(redis_url=redis_url), access)
+        app = create_app(Settings.from_env(redis_url=redis_url, redis_shards=shards), access)
     except BaseException:
         listener.close()
         raise

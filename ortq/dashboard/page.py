@@ -9,6 +9,7 @@ Redis, Jinja escapes; a record it cannot read is shown as such (``problem``), no
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -18,9 +19,10 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 
 from ortq.dashboard.records import describe, exception_text, text
-from ortq.info import collect, heartbeat_text, state_text
+from ortq.info import collect, heartbeat_text, misplaced, state_text
 from ortq.redisurls import redacted_url
 from ortq.settings import REDIS_DOWN
+from ortq.shards import ShardMap
 
 #: Failures listed per model, newest first.
 FAILURES_SHOWN = 10
@@ -59,36 +61,57 @@ def recent_failures(connection: redis.Redis, queue: str, limit: int = FAILURES_S
     return failures
 
 
-def page_context(connection: redis.Redis, redis_url: str, heartbeat_seconds: float) -> dict[str, Any]:
-    """What :data:`TEMPLATE` renders. A record ortq cannot read fills ``problem`` instead of failing
-    the page: ``ortq info`` reads Redis as a whole, so one forged record hides the models.
-    ``heartbeat_seconds``: the interval by which a worker whose record does not say is judged gone."""
-    context: dict[str, Any] = {
-        "models": [],
-        "problem": None,
-        "redis_url": redacted_url(redis_url),
+def page_context(connections: Mapping[str, redis.Redis], shards: ShardMap, heartbeat_seconds: float) -> dict[str, Any]:
+    """What :data:`TEMPLATE` renders: a section per Redis of the shard map (``connections``: URL ->
+    client, the default first; one without a map), and the map's warnings (:func:`misplaced`).
+    ``heartbeat_seconds``: the interval by which a worker whose record does not say is judged gone.
+
+    A Redis that cannot be reached raises for a single Redis (the app's 503 page); with several,
+    its section says so and the others are shown."""
+    sections, warnings = [], []
+    for index, (url, connection) in enumerate(connections.items()):
+        try:
+            section = _section(connection, heartbeat_seconds)
+        except REDIS_DOWN as exc:
+            if len(connections) == 1:
+                raise
+            section = {"models": [], "problem": f"cannot reach this Redis: {exc}"}
+        section.update(index=index, url=redacted_url(url))
+        sections.append(section)
+        warnings += [warning for model in section["models"] if (warning := misplaced(model, url, shards))]
+    return {
+        "sections": sections,
+        "warnings": warnings,
+        "redis_urls": ", ".join(redacted_url(url) for url in connections),
         "now": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "ready_states": READY_STATES,
         "state_text": state_text,  # as `ortq info` words them
         "heartbeat_text": heartbeat_text,
     }
+
+
+def _section(connection: redis.Redis, heartbeat_seconds: float) -> dict[str, Any]:
+    """One Redis's models, with their latest failures. A record ortq cannot read fills ``problem``
+    instead of failing the page: ``ortq info`` reads Redis as a whole, so one forged record hides
+    the models."""
+    section: dict[str, Any] = {"models": [], "problem": None}
     try:
-        context["models"] = collect(connection, heartbeat_seconds)["models"]
+        section["models"] = collect(connection, heartbeat_seconds)["models"]
     except REDIS_DOWN:
         raise
     except Exception as exc:
-        context["problem"] = (
+        section["problem"] = (
             f"ortq's records in this Redis cannot be read ({describe(exc)}): something other than ortq wrote them"
         )
-        return context
-    for model in context["models"]:
+        return section
+    for model in section["models"]:
         try:
             model["recent_failures"] = recent_failures(connection, model["queue"]) if model["failed"] else []
         except REDIS_DOWN:
             raise
         except Exception as exc:
             model["recent_failures"] = [{"job_id": "?", "ended_at": None, "reason": f"cannot be read: {describe(exc)}"}]
-    return context
+    return section
 
 
 TEMPLATE = """<!DOCTYPE html>
@@ -120,20 +143,24 @@ code { font-size: .95em; }
 <body>
 <header>
 <h1>ortq dashboard</h1>
-<span class="muted">Redis {{ redis_url }}</span>
+<span class="muted">Redis {{ redis_urls }}</span>
 <span class="muted">updated {{ now }}, every {{ refresh_seconds }} s</span>
 <a href="{{ rq_url }}">RQ queues, jobs, workers</a>
 <a href="{{ url_for('api_info') }}">JSON</a>
 </header>
-{% if problem %}<p id="problem" class="bad">{{ problem }}</p>
-{% elif not models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
-{% for m in models %}
-<section class="model" data-model="{{ m.model }}">
+{% for w in warnings %}<p class="bad warning">WARNING: {{ w }}</p>
+{% endfor %}
+{% for r in sections %}
+{% if sections | length > 1 %}<h2 class="redis" data-redis="{{ r.index }}">Redis {{ r.url }}</h2>{% endif %}
+{% if r.problem %}<p id="problem" class="bad">{{ r.problem }}</p>
+{% elif not r.models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
+{% for m in r.models %}
+<section class="model" data-model="{{ m.model }}" data-redis="{{ r.index }}">
 <h2>model <code>{{ m.model }}</code> <span class="muted">queue {{ m.queue }}</span></h2>
 <dl class="counts">
 {% for field in ("queued", "started", "finished", "failed") %}
 <div><dd data-field="{{ field }}" class="{{ 'bad' if field == 'failed' and m[field] else '' }}">{{ m[field] }}</dd>
-<dt><a href="{{ url_for('rq_dashboard.jobs_overview', instance_number=0, queue_name=m.queue, registry_name=field,
+<dt><a href="{{ url_for('rq_dashboard.jobs_overview', instance_number=r.index, queue_name=m.queue, registry_name=field,
  per_page=8, order='asc', page=1) }}">{{ field }}</a></dt></div>
 {% endfor %}
 </dl>
@@ -170,7 +197,7 @@ that version takes them first)</span></p>{% endif %}
 <td data-field="host">{{ w.host or "?" }} / {{ "?" if w.pid is none else w.pid }}</td>
 <td data-field="successful_jobs">{{ w.successful_jobs }}</td>
 <td data-field="failed_jobs">{{ w.failed_jobs }}</td>
-<td data-field="current_job">{% if w.current_job %}<a href="{{ job_url(w.current_job) }}">{{
+<td data-field="current_job">{% if w.current_job %}<a href="{{ job_url(w.current_job, r.index) }}">{{
  w.current_job }}</a>{% else %}-{% endif %}</td>
 <td data-field="heartbeat" class="nowrap">{{ heartbeat_text(w) }}</td>
 </tr>
@@ -185,7 +212,7 @@ that version takes them first)</span></p>{% endif %}
 <tr><th>job</th><th>ended</th><th>reason</th></tr>
 {% for f in m.recent_failures %}
 <tr class="failure" data-job="{{ f.job_id }}">
-<td class="nowrap"><a href="{{ job_url(f.job_id) }}">{{ f.job_id }}</a></td>
+<td class="nowrap"><a href="{{ job_url(f.job_id, r.index) }}">{{ f.job_id }}</a></td>
 <td class="nowrap">{{ (f.ended_at or "-")[:19] | replace("T", " ") }}</td>
 <td data-field="reason">{{ f.reason }}</td>
 </tr>
@@ -193,6 +220,7 @@ that version takes them first)</span></p>{% endif %}
 </table>
 {% endif %}
 </section>
+{% endfor %}
 {% endfor %}
 </body>
 </html>

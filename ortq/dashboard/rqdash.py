@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -297,8 +298,9 @@ _CONNECTION = "ortq.dashboard.connection"  # the app's ortq client, in ``app.ext
 
 
 def app_client(url: str, **options: Any) -> tuple[None, redis.Redis]:
-    """rq-dashboard's ``from_url`` (redis_sentinel_url's ``connect``): the app's ortq client."""
-    return None, current_app.extensions[_CONNECTION]
+    """rq-dashboard's ``from_url`` (redis_sentinel_url's ``connect``): the app's ortq client of
+    that Redis (``url`` is one of the app's own, as connect_blueprint shows them)."""
+    return None, current_app.extensions[_CONNECTION][url]
 
 
 # rq_dashboard.web's name -> (what it must be before install, what it becomes).
@@ -341,9 +343,11 @@ class MetaEncoder(json.JSONEncoder):
         return super().default(o)
 
 
-def connect_blueprint(app: Any, connection: redis.Redis, redis_url: str) -> None:
-    """Make rq-dashboard's blueprint, registered on ``app``, read ``connection`` (of ``redis_url``)."""
-    app.extensions[_CONNECTION] = connection
-    app.redis_conn = connection  # what its views use (its before_request sets it again, through from_url)
-    app.config["RQ_DASHBOARD_REDIS_URL"] = (redacted_url(redis_url),)  # shown on its pages
+def connect_blueprint(app: Any, connections: Mapping[str, redis.Redis]) -> None:
+    """Make rq-dashboard's blueprint, registered on ``app``, read ``connections`` (URL -> client):
+    its instance N is the Nth, shown by its URL without the password."""
+    shown = {redacted_url(url): connection for url, connection in connections.items()}
+    app.extensions[_CONNECTION] = shown
+    app.redis_conn = next(iter(shown.values()))  # what its views use (its before_request sets it, through from_url)
+    app.config["RQ_DASHBOARD_REDIS_URL"] = tuple(shown)  # shown on its pages, and passed to from_url
     app.config["RQ_DASHBOARD_JSON_ENCODER"] = MetaEncoder

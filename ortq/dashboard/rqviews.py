@@ -85,11 +85,12 @@ def guarded(view: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def check_arguments() -> Response | None:
-    """Refuse (404) what rq-dashboard's views would fail on: another Redis instance than the one,
-    an unknown registry, a page size or page number that is not a positive integer."""
+    """Refuse (404) what rq-dashboard's views would fail on: a Redis instance this dashboard does
+    not serve, an unknown registry, a page size or page number that is not a positive integer."""
     args = request.view_args or {}
-    if args.get("instance_number", 0) != 0:
-        return problem(404, "this dashboard serves one Redis: instance 0")
+    served = len(current_app.config["RQ_DASHBOARD_REDIS_URL"])
+    if not 0 <= (instance := args.get("instance_number", 0)) < served:
+        return problem(404, f"no Redis instance {instance}: this dashboard serves {served} (0 to {served - 1})")
     if "registry_name" in args and args["registry_name"] not in REGISTRIES:
         return problem(404, f"no registry {args['registry_name']!r}; there are {', '.join(sorted(REGISTRIES))}")
     for name, most in (("per_page", MAX_PER_PAGE), ("page", 10**9)):

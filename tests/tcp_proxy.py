@@ -96,27 +96,29 @@ def _reset(client: socket.socket, upstream: socket.socket) -> None:
         end.close()
 
 
-class ExecCuttingProxy(ResettingProxy):
-    """A ResettingProxy that also breaks the connection that sends the next ``EXEC`` (once armed
-    by ``cut_next_exec``): ``before`` Redis gets it (the transaction is discarded with the
-    connection: nothing of it runs), or ``after`` Redis ran it, its reply lost (what redis-py sees
-    either way: a reset connection). ``stall`` and ``mute`` leave the connection open instead, so
-    that the client's read times out: the ``EXEC`` held back (it never runs), or run with its
-    reply held back."""
+class CommandCuttingProxy(ResettingProxy):
+    """A ResettingProxy that also breaks the connection that sends the next command of a name
+    (once armed by ``cut_next``; ``EXEC`` by default), with whatever was sent with it:
+    ``before`` Redis gets it (a transaction is discarded with the connection: nothing of it runs),
+    or ``after`` Redis ran it, its reply lost (what redis-py sees either way: a reset
+    connection). ``stall`` and ``mute`` leave the connection open instead, so that the client's
+    read times out: the command held back (it never runs), or run with its reply held back."""
 
     def __init__(self, upstream_port: int) -> None:
         self._armed: str | None = None
+        self._command = b""
         self._muted: set[socket.socket] = set()
-        #: Connections cut at an EXEC so far.
+        #: Connections cut so far.
         self.cuts = 0
         super().__init__(upstream_port)
 
-    def cut_next_exec(self, mode: str) -> None:
+    def cut_next(self, mode: str, command: str = "EXEC") -> None:
         assert mode in ("before", "after", "stall", "mute"), mode
+        self._command = f"\r\n{command}\r\n".lower().encode()  # a RESP bulk string, in any case
         self._armed = mode
 
     def _forward(self, source: socket.socket, sink: socket.socket, data: bytes) -> bool:
-        if self._armed and b"\r\nexec\r\n" in data.lower():
+        if self._armed and self._command in data.lower():
             with self._lock:
                 from_client = any(source is client for client, _ in self._pairs)
             if from_client:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -23,10 +24,11 @@ import redis
 from ortq import keys
 from ortq.errors import BrokerUnavailable
 from ortq.producer import AsyncProducer, Producer
+from ortq.redisfunctions import ensure_functions
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses
-from tests.tcp_proxy import ExecCuttingProxy
+from tests.tcp_proxy import CommandCuttingProxy
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 MODES = ("before", "after")
@@ -34,7 +36,7 @@ MODES = ("before", "after")
 
 @pytest.fixture
 def proxy(redis_url: str) -> object:
-    with ExecCuttingProxy(urlparse(redis_url).port or 6379) as running:
+    with CommandCuttingProxy(urlparse(redis_url).port or 6379) as running:
         yield running
 
 
@@ -47,10 +49,10 @@ def _queued_once(connection: redis.Redis, model: str, ids: list[str]) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_producers_enqueue_cut_at_exec_goes_in_once(
-    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+    proxy: CommandCuttingProxy, connection: redis.Redis, model_name: str, mode: str
 ) -> None:
     with Producer(settings=Settings.from_url(proxy.url), allow_unknown_models=True) as producer:
-        proxy.cut_next_exec(mode)
+        proxy.cut_next(mode)
         jobs = producer.submit_many(model_name, [{"x": X}, {"x": X + 1}])
     assert proxy.cuts == 1
     _queued_once(connection, model_name, [job.id for job in jobs])
@@ -58,11 +60,11 @@ def test_a_producers_enqueue_cut_at_exec_goes_in_once(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_async_producers_enqueue_cut_at_exec_goes_in_once(
-    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+    proxy: CommandCuttingProxy, connection: redis.Redis, model_name: str, mode: str
 ) -> None:
     async def submit() -> list[str]:
         async with AsyncProducer(settings=Settings.from_url(proxy.url), allow_unknown_models=True) as producer:
-            proxy.cut_next_exec(mode)
+            proxy.cut_next(mode)
             return [job.id for job in await producer.submit_many(model_name, [{"x": X}, {"x": X + 1}])]
 
     ids = asyncio.run(submit())
@@ -71,25 +73,54 @@ def test_an_async_producers_enqueue_cut_at_exec_goes_in_once(
 
 
 def test_an_enqueue_whose_exec_reply_timed_out_is_enqueued_or_reported_as_maybe(
-    proxy: ExecCuttingProxy, connection: redis.Redis, model_name: str
+    proxy: CommandCuttingProxy, connection: redis.Redis, model_name: str
 ) -> None:
     """A timeout is not a broken connection: Redis may be slow, not gone, and run the EXEC later,
     so it is never sent again. Ran (its reply held back): the submit succeeds, the job queued once.
     Not run (the EXEC held back): BrokerUnavailable, saying the jobs may have been enqueued."""
     settings = Settings.from_url(proxy.url, socket_timeout=2.0)
     with Producer(settings=settings, allow_unknown_models=True) as producer:
-        proxy.cut_next_exec("mute")
+        proxy.cut_next("mute")
         [job] = producer.submit_many(model_name, [{"x": X}])
         _queued_once(connection, model_name, [job.id])
-        proxy.cut_next_exec("stall")
+        proxy.cut_next("stall")
         with pytest.raises(BrokerUnavailable, match="may have been enqueued"):
             producer.submit_many(model_name, [{"x": X}])
     assert proxy.cuts == 2
     _queued_once(connection, model_name, [job.id])
 
 
+@pytest.mark.parametrize("mode", [*MODES, "mute"])
+def test_an_enqueue_under_chosen_ids_whose_reply_was_lost_takes_its_own_jobs_for_its_own(
+    proxy: CommandCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+) -> None:
+    """``job_ids``: the jobs go in by ortq's Redis function, which never overwrites a job. Sent
+    again after a lost reply, it answered "a job of that id exists" for the submit's own jobs
+    (JobExists, or a handle that checks no proof). The submit reads them back instead: its own (the
+    ``created_at`` it wrote) are enqueued, with their proofs; those not there are sent again."""
+    ensure_functions(connection)  # what a worker does: the FCALL finds the function
+    ids = [f"{model_name}-a", f"{model_name}-b"]
+
+    async def submit_async() -> list[Any]:
+        async with AsyncProducer(settings=settings, allow_unknown_models=True) as producer:
+            proxy.cut_next(mode, "FCALL")
+            return await producer.submit_many(model_name, [{"x": X}, {"x": X + 1}], job_ids=ids)
+
+    settings = Settings.from_url(proxy.url, socket_timeout=2.0)
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        proxy.cut_next(mode, "FCALL")
+        jobs: list[Any] = producer.submit_many(model_name, [{"x": X}, {"x": X + 1}], job_ids=ids)
+    assert [job.id for job in jobs] == ids and all(job.proof is not None for job in jobs)
+    _queued_once(connection, model_name, ids)
+    connection.delete(keys.queue_key(model_name), *(layout.job_key(i) for i in ids))
+    jobs = asyncio.run(submit_async())
+    assert [job.id for job in jobs] == ids and all(job.proof is not None for job in jobs)
+    assert proxy.cuts == 2
+    _queued_once(connection, model_name, ids)
+
+
 def test_a_job_whose_enqueue_reply_was_lost_is_run_and_answered_once(
-    proxy: ExecCuttingProxy,
+    proxy: CommandCuttingProxy,
     connection: redis.Redis,
     model_name: str,
     redis_url: str,
@@ -101,7 +132,7 @@ def test_a_job_whose_enqueue_reply_was_lost_is_run_and_answered_once(
     with Producer(settings=Settings.from_url(proxy.url)) as producer:
         workers.start(tiny_path, model_name, redis_url)
         assert producer.wait_for_workers(model_name, timeout=60)
-        proxy.cut_next_exec("after")
+        proxy.cut_next("after")
         job = producer.submit(model_name, {"x": X})
         assert proxy.cuts == 1
         outputs = job.result(timeout=30)

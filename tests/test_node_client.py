@@ -31,7 +31,7 @@ from ortq import keys, redisfunctions, wire
 from ortq.localredis import LocalRedis
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses
-from tests.tcp_proxy import ExecCuttingProxy
+from tests.tcp_proxy import CommandCuttingProxy
 from tests.test_raw_redis import doc_high_priority_script
 
 CLIENT = REPO / "clients" / "node"
@@ -341,8 +341,8 @@ def test_an_enqueue_cut_at_exec_goes_in_once(node_client: Path, redis_url: str, 
     reconnects): a connection broken before Redis got the EXEC, or after it ran it, leaves the job
     queued once (tests/test_enqueue_once.py does the same to the Python producers)."""
     r = redis.Redis.from_url(redis_url)
-    with ExecCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
-        proxy.cut_next_exec(mode)
+    with CommandCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
+        proxy.cut_next(mode)
         x = np.arange(8, dtype=np.float32).reshape(2, 4)
         answer = cli("submit", proxy.url, model_name, "--allow-unknown-model", stdin=as_json({"x": x}))
         assert proxy.cuts == 1

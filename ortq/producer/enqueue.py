@@ -234,13 +234,15 @@ def add_enqueue_high_by_eval(pipe: Any, model: str, job_id: str, options: JobOpt
 
 
 def add_enqueue_unique(
-    pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str, by_eval: bool = False
+    pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str, by_eval: bool = False, now: str | None = None
 ) -> None:
     """Queue the enqueue of one job under the id its producer chose, unless a job of that id exists
     (redisfunctions.UNIQUE_FUNCTION, enqueue_unique.lua): its reply is 1 (enqueued), 0 (this model's job
-    of that id exists) or -1 (another model's, or no job hash). ``by_eval``: by EVAL, not FCALL."""
+    of that id exists) or -1 (another model's, or no job hash). ``by_eval``: by EVAL, not FCALL.
+    ``now``: the job's ``created_at`` (RQ's format; default: now), by which a submit knows its own
+    job after a lost reply (ortq.producer.submitting)."""
     wait = options.wait_ttl
-    fields = job_hash(model, options, layout.utcformat(layout.utcnow()))
+    fields = job_hash(model, options, now or layout.utcformat(layout.utcnow()))
     names = [keys.job_key(job_id), keys.queue_key(model), keys.last_high_key(model)]
     args = [job_id, frame_argument(frame), wait, wait + options.failure_ttl, options.priority, keys.queue_name(model)]
     args += [keys.request_key(model, job_id), keys.reply_key(model, job_id), keys.RQ_QUEUES_SET]

@@ -93,17 +93,17 @@ class Stepper(Generic[T]):
         self._error = exc
 
 
-def function_calls(count: int, add: Callable[[Any, int, bool], None]) -> Steps[list[Any]]:
+def function_calls(count: int, add: Callable[[Any, int, bool], None], *, once: bool = False) -> Steps[list[Any]]:
     """Calls of one of ortq's Redis functions, one per item, in one round trip by FCALL, and the
     items whose Redis lacks the function (no worker loaded it yet) in one more by EVAL of the same
-    code. ``add(pipe, item, by_eval)`` queues one item's call. Returns each item's reply (an error
-    in its place)."""
+    code. ``add(pipe, item, by_eval)`` queues one item's call; ``once``: each round is sent once
+    (Round). Returns each item's reply (an error in its place)."""
     results: list[Any] = [None] * count
     todo = list(range(count))
     for by_eval in (False, True):
         if not todo:
             break
-        replies = yield Round(_calls(add, todo, by_eval), transaction=False)
+        replies = yield Round(_calls(add, todo, by_eval), transaction=False, once=once)
         for i, reply in zip(todo, replies, strict=True):
             results[i] = reply
         todo = [i for i in todo if isinstance(results[i], Exception) and enqueue.is_missing_function(results[i])]

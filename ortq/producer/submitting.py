@@ -15,6 +15,7 @@ from ortq.errors import BrokerUnavailable, ConfigurationError
 from ortq.producer import checks, enqueue, lookups
 from ortq.producer.enqueue import JobOptions
 from ortq.producer.steps import Command, Round, Steps, function_calls
+from ortq.rqcompat import layout
 from ortq.settings import Settings
 
 H = TypeVar("H")
@@ -145,10 +146,60 @@ def _confirmed(settings: Settings) -> Steps[None]:
 
 def _enqueue_unique(model: str, frames: list[bytes], options: JobOptions, ids: list[str]) -> Steps[list[Any]]:
     """Each job under the id chosen for it unless a job of that id exists (never overwritten): by
-    FCALL, or EVAL where this Redis lacks the function; the replies of ``enqueue_unique.lua``."""
-    return function_calls(
-        len(ids), lambda pipe, i, by_eval: enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval)
-    )
+    FCALL, or EVAL where this Redis lacks the function; the replies of ``enqueue_unique.lua``.
+
+    Sent once (steps.Round ``once``): sent again after a lost reply, a call that had run would
+    answer 0, and the submit would take its own job for another's. After a connection error or a
+    timeout each job is read back instead (:func:`_unique_outcomes`); only those not there at all
+    are sent again (the function never overwrites: whatever ran meanwhile stays one job)."""
+    now = layout.utcformat(layout.utcnow())
+
+    def add(pipe: Any, i: int, by_eval: bool) -> None:
+        enqueue.add_enqueue_unique(pipe, model, frames[i], options, ids[i], by_eval, now)
+
+    try:
+        replies: list[Any] = yield from function_calls(len(ids), add, once=True)
+        return replies
+    except (redis.ConnectionError, redis.TimeoutError):
+        outcomes = yield from _unique_outcomes(model, ids, now)
+    missing = [i for i, outcome in enumerate(outcomes) if outcome is None]
+    if missing:
+        again = yield from function_calls(
+            len(missing), lambda pipe, j, by_eval: add(pipe, missing[j], by_eval), once=True
+        )
+        for i, reply in zip(missing, again, strict=True):
+            outcomes[i] = reply
+    return outcomes
+
+
+def _unique_outcomes(model: str, ids: list[str], now: str) -> Steps[list[Any]]:
+    """What ``enqueue_unique.lua`` answered for each of ``ids``, read back after its reply was lost:
+    1 where the job is there with this submit's ``created_at`` (``now``), 0 where a job of that id
+    and model is there otherwise (or its reply), -1 where another model's is (or another type of
+    key), None where nothing is."""
+    queue = keys.queue_name(model)
+
+    def probes(pipe: Any) -> None:
+        for job_id in ids:
+            pipe.hget(keys.job_key(job_id), "origin")
+            pipe.hget(keys.job_key(job_id), "created_at")
+            pipe.type(keys.reply_key(model, job_id))
+
+    replies = yield Round(probes, transaction=False)
+    outcomes: list[Any] = []
+    for origin, created, reply in zip(replies[0::3], replies[1::3], replies[2::3], strict=True):
+        for answer in (origin, created, reply):
+            if isinstance(answer, Exception) and not redisfaults.is_wrong_type(answer):
+                raise answer
+        if isinstance(origin, Exception):
+            outcomes.append(-1)  # no hash there
+        elif origin is None:
+            outcomes.append(None if keys.as_text(reply) == "none" else 0)
+        elif keys.as_text(origin) != queue:
+            outcomes.append(-1)
+        else:
+            outcomes.append(1 if created is not None and keys.as_text(created) == now else 0)
+    return outcomes
 
 
 def _new_ids(frames: list[bytes]) -> list[str]:

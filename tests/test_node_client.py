@@ -348,3 +348,29 @@ def test_an_enqueue_cut_at_exec_goes_in_once(node_client: Path, redis_url: str, 
         assert proxy.cuts == 1
     assert [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)] == [answer["job"]]  # type: ignore[union-attr]
     assert r.hget(f"rq:job:{answer['job']}", "status") == b"queued"
+
+
+def test_an_id_of_your_own_never_overwrites_a_job(node_client: Path, redis_url: str, model_name: str) -> None:
+    """Section 3.6: under an id of the caller's own, a job goes in by ortq's function, which never
+    overwrites one of that id (the plain MULTI of 3.2 did: the job queued twice, its request and
+    nonce replaced); a second submit is JobExists (exit 1). And its lost reply is read back, not
+    sent again blind: the job goes in once, this submit's own."""
+    r = redis.Redis.from_url(redis_url)
+    redisfunctions.ensure_functions(r)  # what a worker does at its start
+    x = np.ones((1, 4), dtype=np.float32)
+    job_id = f"{model_name}-order-1"
+    first = cli("submit", redis_url, model_name, "--allow-unknown-model", "--job-id", job_id, stdin=as_json({"x": x}))
+    request = r.get(f"ortq:req:{model_name}:{job_id}")
+    again = cli(
+        "submit", redis_url, model_name, "--allow-unknown-model", "--job-id", job_id, stdin=as_json({"x": x}), expect=1
+    )
+    assert again["error"]["type"] == "JobExists" and "nothing was overwritten" in again["error"]["message"]
+    assert r.get(f"ortq:req:{model_name}:{job_id}") == request and first["job"] == job_id
+    with CommandCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
+        proxy.cut_next("after", "FCALL")
+        cut = cli(
+            "submit", proxy.url, model_name, "--allow-unknown-model", "--job-id", f"{job_id}-b", stdin=as_json({"x": x})
+        )
+        assert proxy.cuts == 1 and cut["job"] == f"{job_id}-b"
+    queued = [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)]  # type: ignore[union-attr]
+    assert queued == [job_id, f"{job_id}-b"]

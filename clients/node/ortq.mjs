@@ -21,6 +21,7 @@ const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
 const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
+const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v1';
 /** Most reply streams one XREAD names. */
 const XREAD_STREAMS = 256;
 /** The errors a worker answers without having read the request, so with no proof, each in fixed
@@ -191,7 +192,9 @@ export class Client {
   /**
    * Enqueue many jobs for `model` in one MULTI/EXEC; returns their ids, in order.
    * options: priority ('normal' | 'high'), ttl (s a job may wait for a worker), jobTimeout (s a
-   * run may take), jobIds (your own ids, checked against the id rule).
+   * run may take), jobIds (your own ids, checked against the id rule: each job goes in by ortq's
+   * Redis function, which never overwrites a job of that id (section 3.6); JobExists when one
+   * exists, the others enqueued).
    */
   async submitMany(model, manyInputs, { priority = 'normal', ttl, jobTimeout, jobIds } = {}) {
     checkModelName(model);
@@ -225,6 +228,7 @@ export class Client {
     const wait = ttl === null ? this.requestTtl : Math.min(this.requestTtl, ttl);
     const settings = { model, priority, ttl, jobTimeout, wait };
     const doing = `could not enqueue ${jobs.length} job(s) for ${model} (if the connection dropped during the write they may have been enqueued)`;
+    if (jobIds !== undefined && jobIds !== null) return this.#submitUnique(jobs, settings, doing);
     let replies;
     try {
       replies = await this.#enqueueOnce(jobs, settings, 'fcall');
@@ -238,6 +242,82 @@ export class Client {
     if (replies !== null) await redisCall(doing, this.#settle(jobs, settings, replies));
     for (const job of jobs) this.jobs.set(job.id, { model, nonce: job.nonce, proof: job.proof });
     return jobs.map((job) => job.id);
+  }
+
+  /** Jobs under ids of the caller's own (section 3.6): each by FCALL of ortq's function, which
+   * enqueues it unless a job of that id exists; their ids, or JobExists naming the ids that were
+   * not enqueued (the others were). */
+  async #submitUnique(jobs, settings, doing) {
+    const outcomes = await redisCall(doing, this.#enqueueUnique(jobs, settings));
+    const fresh = jobs.filter((job, i) => outcomes[i] === 1);
+    for (const job of fresh) this.jobs.set(job.id, { model: settings.model, nonce: job.nonce, proof: job.proof });
+    const foreign = jobs.filter((job, i) => outcomes[i] === -1).map((job) => job.id);
+    const taken = jobs.filter((job, i) => outcomes[i] === 0).map((job) => job.id);
+    const enqueued = fresh.length ? `; ${fresh.length} other job(s) were enqueued` : '';
+    if (foreign.length) {
+      throw new OrtqError('JobExists', `job id(s) ${foreign.slice(0, 5).join(', ')} belong to another model's job (or hold no job hash)${enqueued}`);
+    }
+    if (taken.length) {
+      throw new OrtqError('JobExists', `a job of id(s) ${taken.slice(0, 5).join(', ')} exists for ${settings.model} (queued, running, or answered): nothing was overwritten${enqueued}`);
+    }
+    return jobs.map((job) => job.id);
+  }
+
+  /** Section 3.6's FCALL per job, sent once: each job's 1, 0 or -1. After a lost reply each job is
+   * read back (#uniqueOutcomes), and those not there are sent once more. */
+  async #enqueueUnique(jobs, settings) {
+    const now = new Date().toISOString();
+    const send = async (some) => {
+      const pipeline = this.enqueuer.pipeline();
+      for (const job of some) pipeline.call('FCALL', ENQUEUE_UNIQUE, ...this.#uniqueArguments(job, settings, now));
+      const replies = await pipeline.exec();
+      return replies.map(([err, reply]) => {
+        if (!err) return reply;
+        if (/function not found/i.test(err.message)) {
+          throw new OrtqError('ConfigurationError', `enqueue under an id of your own needs ortq's Redis function ${ENQUEUE_UNIQUE}, which workers load: start a worker of any model on this Redis first (Redis 7 or later)`);
+        }
+        throw err;
+      });
+    };
+    let outcomes;
+    try {
+      return await send(jobs);
+    } catch (err) {
+      if (err instanceof ReplyError || err instanceof OrtqError) throw err;
+      outcomes = await this.#uniqueOutcomes(jobs, settings.model, now);
+    }
+    const missing = jobs.filter((job, i) => outcomes[i] === null);
+    if (missing.length) {
+      const again = await send(missing);
+      for (const [j, job] of missing.entries()) outcomes[jobs.indexOf(job)] = again[j];
+    }
+    return outcomes;
+  }
+
+  #uniqueArguments(job, { model, priority, ttl, jobTimeout, wait }, now) {
+    const fields = Object.entries(this.#jobFields(model, priority, ttl, jobTimeout, now)).flat();
+    const queue = this.queueKey(model);
+    return [3, this.jobKey(job.id), queue, `ortq:last-high:${model}`, job.id, job.frame, wait, wait + this.failureTtl, priority,
+      `ortq:${model}`, requestKey(model, job.id), replyKey(model, job.id), `${this.rqPrefix}:queues`, ...fields];
+  }
+
+  /** What section 3.6's call answered each of `jobs`, read back after its reply was lost: 1 where
+   * the job is there with this call's created_at, 0 where another job of that id and model is (or
+   * its reply), -1 where another model's is (or no hash), null where nothing is. */
+  async #uniqueOutcomes(jobs, model, now) {
+    const probe = this.redis.pipeline();
+    for (const job of jobs) {
+      probe.hget(this.jobKey(job.id), 'origin').hget(this.jobKey(job.id), 'created_at').type(replyKey(model, job.id));
+    }
+    const replies = await probe.exec();
+    return jobs.map((job, i) => {
+      const [[originErr, origin], [, created], [replyErr, reply]] = replies.slice(3 * i, 3 * i + 3);
+      if (originErr && /^WRONGTYPE/.test(originErr.message)) return -1;
+      if (originErr || replyErr) throw originErr || replyErr;
+      if (origin === null) return reply === 'none' ? null : 0;
+      if (origin !== `ortq:${model}`) return -1;
+      return created === now ? 1 : 0;
+    });
   }
 
   /** #enqueue, sent once (section 3.2): after a broken connection or a timeout its jobs' records
@@ -272,19 +352,7 @@ export class Client {
     const queue = this.queueKey(model);
     const multi = this.enqueuer.multi();
     for (const job of jobs) {
-      const fields = {
-        status: 'queued',
-        origin: `ortq:${model}`,
-        data: Buffer.from(encode([JOB_FUNC, null, [model], {}])),
-        description: `${JOB_FUNC}('${model}')`,
-        created_at: now,
-        enqueued_at: now,
-        result_ttl: String(this.resultTtl),
-        failure_ttl: String(this.failureTtl),
-      };
-      if (ttl !== null) fields.ttl = String(ttl);
-      if (jobTimeout !== null) fields.timeout = String(jobTimeout);
-      if (priority === 'high') fields.ortq_priority = 'high';
+      const fields = this.#jobFields(model, priority, ttl, jobTimeout, now);
       multi.set(requestKey(model, job.id), job.frame, 'EX', wait);
       multi.hset(this.jobKey(job.id), fields);
       multi.expire(this.jobKey(job.id), wait + this.failureTtl);
@@ -294,6 +362,24 @@ export class Client {
       else multi.eval(ENQUEUE_HIGH_SCRIPT, 2, queue, `ortq:last-high:${model}`, job.id, wait);
     }
     return multi.exec();
+  }
+
+  /** Section 3.3's job hash fields of a queued job (`now`: RQ's format, UTC, 3 fraction digits, Z). */
+  #jobFields(model, priority, ttl, jobTimeout, now) {
+    const fields = {
+      status: 'queued',
+      origin: `ortq:${model}`,
+      data: Buffer.from(encode([JOB_FUNC, null, [model], {}])),
+      description: `${JOB_FUNC}('${model}')`,
+      created_at: now,
+      enqueued_at: now,
+      result_ttl: String(this.resultTtl),
+      failure_ttl: String(this.failureTtl),
+    };
+    if (ttl !== null) fields.ttl = String(ttl);
+    if (jobTimeout !== null) fields.timeout = String(jobTimeout);
+    if (priority === 'high') fields.ortq_priority = 'high';
+    return fields;
   }
 
   /** The model's published signature (section 5), or null when no worker has published one;

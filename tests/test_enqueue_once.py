@@ -119,6 +119,31 @@ def test_an_enqueue_under_chosen_ids_whose_reply_was_lost_takes_its_own_jobs_for
     _queued_once(connection, model_name, ids)
 
 
+@pytest.mark.parametrize("mode", [*MODES, "mute"])
+def test_a_cancel_whose_reply_was_lost_cancels_the_job(
+    proxy: CommandCuttingProxy, connection: redis.Redis, model_name: str, mode: str
+) -> None:
+    """A cancel takes a queued job off its queue with LREM. Sent again after a lost reply, an LREM
+    that had run answered 0: the cancel said False, and the job, off its queue, was neither
+    cancelled nor ever run. Both producers cancel it, whatever the LREM's reply came to."""
+
+    async def cancel_async(job_id: str) -> bool:
+        async with AsyncProducer(settings=settings, allow_unknown_models=True) as producer:
+            proxy.cut_next(mode, "LREM")
+            return await producer.cancel(job_id, model_name)
+
+    settings = Settings.from_url(proxy.url, socket_timeout=2.0)
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        jobs = producer.submit_many(model_name, [{"x": X}, {"x": X}])
+        proxy.cut_next(mode, "LREM")
+        assert producer.cancel(jobs[0].id, model_name) is True
+    assert asyncio.run(cancel_async(jobs[1].id)) is True
+    assert proxy.cuts == 2
+    assert connection.llen(keys.queue_key(model_name)) == 0
+    for job in jobs:
+        assert connection.hget(layout.job_key(job.id), "status") == b"canceled"
+
+
 def test_a_job_whose_enqueue_reply_was_lost_is_run_and_answered_once(
     proxy: CommandCuttingProxy,
     connection: redis.Redis,

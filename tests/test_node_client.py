@@ -374,3 +374,17 @@ def test_an_id_of_your_own_never_overwrites_a_job(node_client: Path, redis_url: 
         assert proxy.cuts == 1 and cut["job"] == f"{job_id}-b"
     queued = [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)]  # type: ignore[union-attr]
     assert queued == [job_id, f"{job_id}-b"]
+
+
+def test_a_cancel_whose_lrem_reply_was_lost_cancels_the_job(node_client: Path, redis_url: str, model_name: str) -> None:
+    """Section 3.7: an infer whose wait runs out cancels its job; the LREM's reply lost (Redis ran it),
+    the job is still cancelled, not left off its queue and never run."""
+    r = redis.Redis.from_url(redis_url)
+    x = np.ones((1, 4), dtype=np.float32)
+    with CommandCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
+        proxy.cut_next("after", "LREM")
+        args = ("--allow-unknown-model", "--timeout-ms", "300")
+        late = cli("infer", proxy.url, model_name, *args, stdin=as_json({"x": x}), expect=1)
+        assert late["error"]["type"] == "ResultTimeout" and proxy.cuts == 1
+    assert r.hget(f"rq:job:{late['job']}", "status") == b"canceled"
+    assert r.llen(keys.queue_key(model_name)) == 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import redis
 
 from ortq.errors import CorruptRecord
 from ortq.producer import cancelling
-from ortq.producer.steps import Command, Round, Stepper, Steps
+from ortq.producer.steps import Round, Stepper, Steps
 from tests.conftest import REPO
 
 #: Twin lines (scripts/producer_twins.py) the two producers' method bodies may have: their one-line
@@ -48,12 +49,45 @@ def drive(steps: Steps[object], replies: list[object]) -> tuple[list[object], ob
     return asked, stepper.result
 
 
-def test_a_cancel_of_a_queued_job_is_an_lrem_then_one_multi() -> None:
-    asked, result = drive(cancelling.cancel("job-1", "m"), [1, [1, 1, 1]])
+class Recorder:
+    """A stand-in pipeline that notes the commands a Round queues on it."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, tuple[object, ...]]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.commands.append((name, args))
+
+
+def queued(request: object) -> list[tuple[str, tuple[object, ...]]]:
+    assert isinstance(request, Round)
+    pipe = Recorder()
+    request.queue(pipe)
+    return pipe.commands
+
+
+def test_a_cancel_of_a_queued_job_is_an_lrem_sent_once_then_one_multi() -> None:
+    asked, result = drive(cancelling.cancel("job-1", "m"), [[1], [1, 1, 1]])
     assert result is True
-    assert isinstance(asked[0], Command)
-    assert (asked[0].name, asked[0].args) == ("lrem", ("rq:queue:ortq:m", 0, "job-1"))
+    assert isinstance(asked[0], Round) and asked[0].once and not asked[0].transaction
+    assert queued(asked[0]) == [("lrem", ("rq:queue:ortq:m", 0, "job-1"))]
     assert isinstance(asked[1], Round) and asked[1].transaction
+
+
+@pytest.mark.parametrize(
+    ("again", "status", "cancelled"), [([1], None, True), ([0], b"queued", True), ([0], b"started", False)]
+)
+def test_a_cancels_lost_lrem_reply_is_sent_again_and_its_status_read(
+    again: list[int], status: bytes | None, cancelled: bool
+) -> None:
+    """LREM answered 0 after a lost reply: the job's status says whether the first one took it off."""
+    replies: list[object] = [redis.ConnectionError("reset"), again]
+    if again == [0]:
+        replies.append(status)
+    replies.append([1, 1, 1] if cancelled else [0])  # the cancel's MULTI, or the stop request
+    asked, result = drive(cancelling.cancel("job-1", "m"), replies)
+    assert result is cancelled
+    assert queued(asked[1]) == queued(asked[0])
 
 
 def test_a_stop_request_falls_back_to_eval_where_redis_lacks_the_function() -> None:
@@ -66,5 +100,5 @@ def test_a_stop_request_falls_back_to_eval_where_redis_lacks_the_function() -> N
 def test_what_sending_raised_is_the_steps_to_word() -> None:
     refused = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
     with pytest.raises(CorruptRecord, match="is no list") as caught:
-        drive(cancelling.cancel("job-1", "m"), [refused])
+        drive(cancelling.cancel("job-1", "m"), [[refused]])
     assert caught.value.__cause__ is refused

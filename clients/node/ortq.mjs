@@ -158,9 +158,10 @@ export class Client {
     // Blocking reads get a connection of their own (section 4.2): a command queued behind an
     // XREAD BLOCK on one connection would wait for it.
     this.blocking = this.redis.duplicate();
-    // Enqueue transactions get a connection of their own that never sends an unanswered command
-    // again after a reconnect and fails it at once when the connection drops (section 3.2: an EXEC
-    // whose reply was lost may have run; whether it did is read back, see #enqueueOnce).
+    // Enqueue transactions, function calls and a cancel's LREM get a connection of their own that
+    // never sends an unanswered command again after a reconnect and fails it at once when the
+    // connection drops (sections 3.2, 3.6, 3.7: one whose reply was lost may have run; what it did
+    // is read back: #enqueueOnce, #enqueueUnique, #takenOff).
     this.enqueuer = this.redis.duplicate({ autoResendUnfulfilledCommands: false, maxRetriesPerRequest: 0 });
     // Connection trouble surfaces as the failed command's error; without listeners ioredis would
     // also print every reconnection attempt.
@@ -549,7 +550,7 @@ export class Client {
   /** Take a job off its queue if no worker has started it (section 3.6); whether it was removed. */
   async cancel(jobId, model) {
     const doing = `could not cancel job ${jobId}`;
-    const removed = this.redis.lrem(this.queueKey(checkModelName(model)), 0, checkJobId(jobId));
+    const removed = this.#takenOff(this.queueKey(checkModelName(model)), checkJobId(jobId));
     if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return false;
     const records = this.redis
       .multi()
@@ -560,5 +561,18 @@ export class Client {
     await redisCall(doing, records); // a job hash that is no hash: the job is off the queue anyway
     this.jobs.delete(jobId);
     return true;
+  }
+
+  /** LREM of a job from its queue, sent once (section 3.7): after a lost reply it is sent once
+   * more, and when that answers 0, a job still queued (so in no queue now) was taken off by the
+   * first. Taken for "not in the queue", it would be neither cancelled nor ever run. */
+  async #takenOff(queue, jobId) {
+    try {
+      return (await this.enqueuer.lrem(queue, 0, jobId)) > 0;
+    } catch (err) {
+      if (err instanceof ReplyError) throw err;
+    }
+    if ((await this.enqueuer.lrem(queue, 0, jobId)) > 0) return true;
+    return (await this.redis.hget(this.jobKey(jobId), 'status')) === 'queued';
   }
 }

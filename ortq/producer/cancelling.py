@@ -13,7 +13,7 @@ from ortq.producer.steps import Command, Round, Steps, function_calls
 def cancel(job_id: str, model: str) -> Steps[bool]:
     """Whether the job was taken off its queue or asked to stop (False: it ended, or is unknown)."""
     try:
-        if not (yield Command("lrem", keys.queue_key(model), 0, job_id)):
+        if not (yield from _taken_off(job_id, model)):
             return (yield from request_stop(job_id, model))
         # A job hash that is no hash: the job is off the queue anyway (its reply is not looked at).
         yield Round(lambda pipe: enqueue.add_cancel(pipe, job_id, model), transaction=True)
@@ -21,6 +21,26 @@ def cancel(job_id: str, model: str) -> Steps[bool]:
         wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
         raise redisfaults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
     return True
+
+
+def _taken_off(job_id: str, model: str) -> Steps[bool]:
+    """LREM of the job from its queue, sent once (steps.Round ``once``): sent again after a lost
+    reply, an LREM that had run answers 0, and the job, off its queue, would be neither cancelled
+    nor ever run. After a connection error or a timeout it is sent once more (LREM takes off what
+    is left, so nothing runs twice) and, answering 0, the job's status says what the first did: a
+    job still ``queued`` is in no queue now, so it was taken off (or a worker has just moved it
+    to start it: cancelled, it is not started)."""
+    remove = Round(lambda pipe: pipe.lrem(keys.queue_key(model), 0, job_id), transaction=False, once=True)
+    try:
+        [removed] = yield remove
+    except (redis.ConnectionError, redis.TimeoutError):
+        [removed] = yield remove
+        if not removed:
+            status = yield Command("hget", keys.job_key(job_id), "status")
+            return status is not None and keys.as_text(status) == "queued"
+    if isinstance(removed, Exception):
+        raise removed
+    return bool(removed)
 
 
 def request_stop(job_id: str, model: str) -> Steps[bool]:

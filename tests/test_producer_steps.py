@@ -74,6 +74,14 @@ def test_a_cancel_of_a_queued_job_is_an_lrem_sent_once_then_one_multi() -> None:
     assert isinstance(asked[1], Round) and asked[1].transaction
 
 
+def test_a_cancels_records_are_written_again_after_a_lost_reply() -> None:
+    """Off its queue, a job not marked canceled would wait nowhere: the MULTI goes once more."""
+    asked, result = drive(cancelling.cancel("job-1", "m"), [[1], redis.ConnectionError("reset"), [1, 1, 1]])
+    assert result is True and len(asked) == 3
+    assert queued(asked[1]) == queued(asked[2])
+    assert queued(asked[2])[1] == ("hset", ("rq:job:job-1", "status", "canceled"))
+
+
 @pytest.mark.parametrize(
     ("again", "status", "cancelled"), [([1], None, True), ([0], b"queued", True), ([0], b"started", False)]
 )

@@ -16,7 +16,13 @@ def cancel(job_id: str, model: str) -> Steps[bool]:
         if not (yield from _taken_off(job_id, model)):
             return (yield from request_stop(job_id, model))
         # A job hash that is no hash: the job is off the queue anyway (its reply is not looked at).
-        yield Round(lambda pipe: enqueue.add_cancel(pipe, job_id, model), transaction=True)
+        records = Round(lambda pipe: enqueue.add_cancel(pipe, job_id, model), transaction=True)
+        try:
+            yield records
+        except (redis.ConnectionError, redis.TimeoutError):
+            # The job is off its queue: unless it is marked canceled it waits nowhere, answered
+            # never. The writes are the same whether the first ran or not: sent once more.
+            yield records
     except redis.RedisError as exc:
         wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
         raise redisfaults.failure(exc, f"could not cancel job {job_id}", wrong) from exc

@@ -229,8 +229,10 @@ def test_a_last_high_key_of_the_wrong_type_does_not_stop_high_priority(served: S
 )
 def test_worker_records_of_the_wrong_type_are_rewritten(served: Served, key: Callable[[Served], str]) -> None:
     name = key(served)
-    served.r.delete(name)
-    served.r.rpush(name, "forged")
+    with served.r.pipeline() as pipe:  # one MULTI: a heartbeat between the two would write the set again
+        pipe.delete(name)
+        pipe.rpush(name, "forged")
+        pipe.execute()
     eventually(lambda: served.r.type(name) != b"list", BOUND)
     eventually(lambda: len(served.producer.workers(served.model)) == 1, BOUND)
 

@@ -53,7 +53,7 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
 
     async def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it, else ask the worker running it to stop
-        it (within a heartbeat; it then fails with JobStopped, RQ's status ``stopped``); returns whether
+        it (within about half a second; it then fails with JobStopped, RQ's status ``stopped``); returns whether
         either was done (False: the job ended, or is unknown)."""
         return await self.producer.cancel(self.id, self.model)
 

@@ -293,7 +293,7 @@ def unique_outcome(model: str, ids: list[str], results: list[Any], unique: bool)
 
 def add_request_stop(pipe: Any, job_id: str, model: str, by_eval: bool = False) -> None:
     """Queue the request to stop a started job (redisfunctions.STOP_FUNCTION, request_stop.lua): its
-    reply is 1 when the job was started (its worker stops it within a heartbeat), else 0."""
+    reply is 1 when the job was started (its worker stops it within about half a second), else 0."""
     args = [keys.queue_name(model), int(layout.utcnow().timestamp())]
     if by_eval:
         pipe.eval(redisfunctions.stop_script_source(), 1, keys.job_key(job_id), *args)

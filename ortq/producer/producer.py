@@ -48,7 +48,7 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
 
     def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it, else ask the worker running it to stop
-        it (within a heartbeat; it then fails with JobStopped, RQ's status ``stopped``); returns whether
+        it (within about half a second; it then fails with JobStopped, RQ's status ``stopped``); returns whether
         either was done (False: the job ended, or is unknown)."""
         return self.producer.cancel(self.id, self.model)
 

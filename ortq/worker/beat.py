@@ -10,7 +10,9 @@ Runtime releases the GIL during ``Run``):
 - RQ's command channel (``<prefix>:pubsub:<name>``, where ``rq.command.send_shutdown_command``
   publishes): a shutdown is a warm stop request;
 - ``upkeep``, called after each beat and at least once a second: taking back jobs of dead
-  workers, rescuing lost dequeues, due retries, registry cleanup (see ortq.worker.upkeep).
+  workers, rescuing lost dequeues, due retries, registry cleanup (see ortq.worker.upkeep);
+- ``poll``, every ``poll_interval`` seconds: the stop requests of jobs held that long (so that a
+  stop takes a fraction of a second, not up to a heartbeat interval: ortq.worker.stops).
 
 Nothing here may end the thread: a Redis outage is logged and retried at the next beat, and any
 other error is logged, so that a worker never looks dead while it is not.
@@ -50,6 +52,8 @@ class Beat:
         upkeep: Callable[[redis.Redis], None],
         on_shutdown: Callable[[], None],
         on_stop_job: Callable[[str], None] = lambda job_id: None,
+        poll: Callable[[redis.Redis], None] = lambda connection: None,
+        poll_interval: float = 0.5,
     ) -> None:
         self._connect = connect
         self._channel = layout.pubsub_channel(worker_name)
@@ -58,6 +62,8 @@ class Beat:
         self._upkeep = upkeep
         self._on_shutdown = on_shutdown
         self._on_stop_job = on_stop_job
+        self._poll = poll
+        self.poll_interval = poll_interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ortq-beat", daemon=True)
         self._connection: redis.Redis | None = None
@@ -77,8 +83,7 @@ class Beat:
     def _run(self) -> None:
         connection = self._connection or self._connect()
         pubsub: Any = self._pubsub
-        next_beat = 0.0
-        next_upkeep = 0.0
+        next_beat = next_upkeep = next_poll = 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -88,8 +93,11 @@ class Beat:
                 if now >= next_upkeep:
                     next_upkeep = now + 1.0
                     self._guarded("upkeep", lambda: self._upkeep(connection))
+                if now >= next_poll:
+                    next_poll = now + self.poll_interval
+                    self._guarded("reading stop requests", lambda: self._poll(connection))
                 # Short waits: a stop request (the worker's exit) is seen within a quarter second.
-                wait = max(0.01, min(next_beat, next_upkeep, time.monotonic() + 0.25) - time.monotonic())
+                wait = max(0.01, min(next_beat, next_upkeep, next_poll, time.monotonic() + 0.25) - time.monotonic())
                 pubsub = self._listen(connection, pubsub, wait)
         finally:
             if pubsub is not None:

@@ -69,7 +69,7 @@ from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.signals import StopSignals
-from ortq.worker.stops import Stops
+from ortq.worker.stops import STOP_POLL_SECONDS, Stops
 from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS, Progress
 
@@ -169,6 +169,8 @@ class Worker:
             self._upkeep_beside,
             self.request_stop,
             lambda job_id: self._stop_jobs([job_id]),  # RQ's stop-job command
+            self._poll_stops,
+            STOP_POLL_SECONDS,
         )
         beat.start()  # subscribed to RQ's command channel before anyone sees the worker
         self._heartbeat(self.connection)  # ortq's record out: producers and `ortq info` see it now
@@ -228,6 +230,12 @@ class Worker:
         if stops or self.stops.any:  # new requests, or old ones of jobs that may have left: forgotten
             self._stop_jobs(stops)
         self._ready(True)
+
+    def _poll_stops(self, connection: redis.Redis) -> None:
+        """Between heartbeats: the stop requests of jobs held a poll interval or more (a job that
+        ends sooner is not worth a round trip; the heartbeat reads every held job's anyway)."""
+        if stops := self.presence.requested_stops(connection, STOP_POLL_SECONDS):
+            self._stop_jobs(stops)
 
     def _stop_jobs(self, job_ids: list[str]) -> None:
         """Stop these jobs (ortq.worker.stops), those of them this worker holds."""

@@ -12,11 +12,13 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, cast
 
 import redis
 
 from ortq import keys, redisfaults
+from ortq.rqcompat import layout
 from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings
@@ -126,6 +128,19 @@ class Presence:
         _repair_set(connection, keys.WORKERS_SET, [self.name], results[registered])
         _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, results[-2])  # _queue_signatures' last
         return stops
+
+    def requested_stops(self, connection: redis.Redis, held_for: float) -> list[str]:
+        """The ids of the held jobs, held ``held_for`` seconds or more, whose stop was requested
+        (one HGET a job, one round trip; none when no job was held that long)."""
+        since = layout.utcnow() - timedelta(seconds=held_for)
+        running = [job for job in self.ledger.jobs() if job.started_at <= since]
+        if not running:
+            return []
+        with connection.pipeline(transaction=False) as pipe:
+            for job in running:
+                pipe.hget(keys.job_key(job.job_id), STOP_FIELD)
+            replies = pipe.execute(raise_on_error=False)
+        return [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
 
     # ------------------------------------------------------------------ both ends
 

@@ -4,8 +4,9 @@ an operator's (RQ's ``stop-job`` command on the worker's channel).
 A producer may not publish on a worker's command channel (docs/security.md: with that right it could
 also shut workers down), so it marks the job instead: ``ortq_stop`` in the job hash, written by
 ``ortq_request_stop_v1`` only while the job is started. The heartbeat thread reads that field of
-every job the worker holds (one HGET a job in the heartbeat's round trip), and RQ's command is read
-as it arrives. A requested job is then
+every job the worker holds (one HGET a job in the heartbeat's round trip) and, every
+STOP_POLL_SECONDS between heartbeats, of the jobs held that long; RQ's command is read as it
+arrives. A requested job is then
 
 * not run, when the main thread has not run it yet (checked before each run: a set lookup);
 * stopped in its run, when every job of the run in flight is requested (``RunOptions.terminate``,
@@ -20,6 +21,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from typing import Any
+
+#: How often the heartbeat thread reads the stop requests of the jobs held at least this long: a
+#: stop takes about this long to be seen, whatever the heartbeat interval.
+STOP_POLL_SECONDS = 0.5
 
 
 class Stops:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import redis
 from ortq import keys, redisfunctions, wire
 from ortq.localredis import LocalRedis
 from tests import onnx_models
-from tests.conftest import REPO, WorkerProcesses
+from tests.conftest import REPO, WorkerProcesses, eventually
 from tests.tcp_proxy import CommandCuttingProxy
 from tests.test_raw_redis import doc_high_priority_script
 
@@ -388,3 +389,26 @@ def test_a_cancel_whose_lrem_reply_was_lost_cancels_the_job(node_client: Path, r
         assert late["error"]["type"] == "ResultTimeout" and proxy.cuts == 1
     assert r.hget(f"rq:job:{late['job']}", "status") == b"canceled"
     assert r.llen(keys.queue_key(model_name)) == 0
+
+
+def test_an_infer_that_gives_up_stops_the_run_of_its_job(
+    node_client: Path,
+    redis_url: str,
+    model_name: str,
+    models_dir: Path,
+    workers: WorkerProcesses,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Section 3.7: cancel of a started job asks its worker to stop it, as the Python producers' does
+    (it returned false and left the job running): an infer whose wait runs out while its job runs
+    leaves the job stopped, its 12 s run ended early."""
+    monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "0.5")
+    slow = onnx_models.timed_slow_model(models_dir / "node-slow.onnx", 12.0)
+    workers.serve(slow, model_name, redis_url)
+    r = redis.Redis.from_url(redis_url)
+    began = time.monotonic()
+    x = np.ones((1, 256), dtype=np.float32)
+    late = cli("infer", redis_url, model_name, "--timeout-ms", "1500", stdin=as_json({"x": x}), expect=1)
+    assert late["error"]["type"] == "ResultTimeout"
+    eventually(lambda: r.hget(f"rq:job:{late['job']}", "status") == b"stopped", 10)
+    assert time.monotonic() - began < 8, "the run was not stopped: it ran to its end"

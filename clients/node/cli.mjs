@@ -111,7 +111,7 @@ async function main(argv) {
     try {
       outputs = await client.result(jobId, number(values['timeout-ms']));
     } catch (err) {
-      // Nobody waits for it any more: take it off the queue if no worker has started it.
+      // Nobody waits for it any more: take it off the queue, or stop its run if a worker has started it.
       if (err.type === 'ResultTimeout') await client.cancel(jobId, target);
       throw err;
     }

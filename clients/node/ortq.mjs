@@ -22,6 +22,7 @@ const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
 const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
 const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v1';
+const REQUEST_STOP = 'ortq_request_stop_v1';
 /** Most reply streams one XREAD names. */
 const XREAD_STREAMS = 256;
 /** The errors a worker answers without having read the request, so with no proof, each in fixed
@@ -547,11 +548,13 @@ export class Client {
     return redisCall(`could not read the status of job ${jobId}`, this.redis.hget(this.jobKey(checkJobId(jobId)), 'status'));
   }
 
-  /** Take a job off its queue if no worker has started it (section 3.6); whether it was removed. */
+  /** Take a job off its queue if no worker has started it, else ask the worker running it to stop
+   * it (section 3.7: it then fails with JobStopped); whether it was removed or asked to stop (false:
+   * it ended, or is unknown). */
   async cancel(jobId, model) {
     const doing = `could not cancel job ${jobId}`;
     const removed = this.#takenOff(this.queueKey(checkModelName(model)), checkJobId(jobId));
-    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return false;
+    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return redisCall(doing, this.#requestStop(jobId, model));
     const records = this.redis
       .multi()
       .del(requestKey(model, jobId))
@@ -561,6 +564,18 @@ export class Client {
     await redisCall(doing, records); // a job hash that is no hash: the job is off the queue anyway
     this.jobs.delete(jobId);
     return true;
+  }
+
+  /** Mark a started job for its worker to stop (section 3.7's FCALL); whether it was started. A
+   * Redis without the function has had no worker start on it, so none runs the job. */
+  async #requestStop(jobId, model) {
+    try {
+      const now = Math.floor(Date.now() / 1000);
+      return (await this.redis.call('FCALL', REQUEST_STOP, 1, this.jobKey(jobId), `ortq:${model}`, now)) === 1;
+    } catch (err) {
+      if (err instanceof ReplyError && /function not found/i.test(err.message)) return false;
+      throw err;
+    }
   }
 
   /** LREM of a job from its queue, sent once (section 3.7): after a lost reply it is sent once

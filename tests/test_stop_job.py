@@ -77,12 +77,20 @@ def test_a_running_job_is_stopped_and_the_worker_serves_on(
         assert behind.status() == "finished"
 
 
+@pytest.mark.parametrize("how", ["cancel", "an 8 MB mark"])
 def test_a_stop_is_seen_between_heartbeats(
-    slow_path: Path, model_name: str, redis_url: str, workers: WorkerProcesses, monkeypatch: pytest.MonkeyPatch
+    how: str,
+    slow_path: Path,
+    model_name: str,
+    redis_url: str,
+    connection: redis.Redis,
+    workers: WorkerProcesses,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The heartbeat thread reads the stop requests of long-held jobs every STOP_POLL_SECONDS, not
     only at its heartbeats: with heartbeats far apart (a minute: none falls within the run once it
-    has begun), a cancelled run still ends long before its 12 s."""
+    has begun), a cancelled run still ends long before its 12 s. A mark of any size (written by
+    anyone with write access) is read by its length, never fetched, and stops the job as well."""
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "60")
     workers.start(slow_path, model_name, redis_url)  # not serve: it waits for a heartbeat after the warm-up
     with Producer(settings=Settings.from_url(redis_url)) as producer:
@@ -90,7 +98,10 @@ def test_a_stop_is_seen_between_heartbeats(
         job = producer.submit(model_name, {"x": np.ones((1, 256), np.float32)})
         _wait_started(producer, job.id, model_name)
         began = time.monotonic()
-        assert job.cancel() is True
+        if how == "cancel":
+            assert job.cancel() is True
+        else:
+            connection.hset(keys.job_key(job.id), "ortq_stop", b"x" * (8 << 20))
         with pytest.raises(InferenceFailed, match="JobStopped"):
             job.result(timeout=RUN_SECONDS)
         assert time.monotonic() - began < RUN_SECONDS / 2, "the stop waited for the run's end"

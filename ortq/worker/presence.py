@@ -110,8 +110,7 @@ class Presence:
         running = self.ledger.jobs()
         with connection.pipeline(transaction=False) as pipe:
             asked = len(pipe)
-            for job in running:
-                pipe.hget(keys.job_key(job.job_id), STOP_FIELD)
+            _queue_stop_reads(pipe, running)
             positions = self.records.queue_heartbeat(pipe, running)
             pipe.set(keys.worker_key(self.name), json.dumps(self.record()), ex=self.records.ttl)
             registered = len(pipe)
@@ -121,7 +120,7 @@ class Presence:
             results = pipe.execute(raise_on_error=False)
         self.records.after_heartbeat(connection, results, positions, running)
         replies = results[asked : asked + len(running)]
-        stops = [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
+        stops = _stopped(running, replies)
         if results[-1] not in (b"string", "string"):  # another type there: the NX write cannot replace it
             log.error("%s held no string; replacing it", keys.signature_key(self.identity.model))
             connection.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
@@ -137,10 +136,8 @@ class Presence:
         if not running:
             return []
         with connection.pipeline(transaction=False) as pipe:
-            for job in running:
-                pipe.hget(keys.job_key(job.job_id), STOP_FIELD)
-            replies = pipe.execute(raise_on_error=False)
-        return [job.job_id for job, value in zip(running, replies, strict=True) if isinstance(value, bytes) and value]
+            _queue_stop_reads(pipe, running)
+            return _stopped(running, pipe.execute(raise_on_error=False))
 
     # ------------------------------------------------------------------ both ends
 
@@ -210,6 +207,19 @@ def prune_signatures(connection: redis.Redis) -> int:
         found = pipe.execute()
     gone = [member for member, count in zip(members, found, strict=True) if count == 0]
     return int(connection.srem(keys.SIGNATURES_SET, *gone)) if gone else 0
+
+
+def _queue_stop_reads(pipe: redis.client.Pipeline, jobs: Sequence[StartedJob]) -> None:
+    """Whether each job's stop was requested: the length of its STOP_FIELD, not its value (a value
+    anyone with write access made hundreds of MB is never sent; an empty one asks nothing)."""
+    for job in jobs:
+        pipe.hstrlen(keys.job_key(job.job_id), STOP_FIELD)
+
+
+def _stopped(jobs: Sequence[StartedJob], replies: Sequence[object]) -> list[str]:
+    """The ids of ``jobs`` whose stop was requested, from the replies to :func:`_queue_stop_reads`
+    (an error in place of one, a job key of another type, requests nothing)."""
+    return [job.job_id for job, length in zip(jobs, replies, strict=True) if isinstance(length, int) and length > 0]
 
 
 def _repair_set(connection: redis.Redis, key: str, members: list[str], reply: object) -> None:

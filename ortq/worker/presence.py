@@ -130,7 +130,7 @@ class Presence:
 
     def requested_stops(self, connection: redis.Redis, held_for: float) -> list[str]:
         """The ids of the held jobs, held ``held_for`` seconds or more, whose stop was requested
-        (one HGET a job, one round trip; none when no job was held that long)."""
+        (one HSTRLEN a job, one round trip; none when no job was held that long)."""
         since = layout.utcnow() - timedelta(seconds=held_for)
         running = [job for job in self.ledger.jobs() if job.started_at <= since]
         if not running:

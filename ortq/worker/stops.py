@@ -3,10 +3,10 @@ an operator's (RQ's ``stop-job`` command on the worker's channel).
 
 A producer may not publish on a worker's command channel (docs/security.md: with that right it could
 also shut workers down), so it marks the job instead: ``ortq_stop`` in the job hash, written by
-``ortq_request_stop_v1`` only while the job is started. The heartbeat thread reads that field of
-every job the worker holds (one HGET a job in the heartbeat's round trip) and, every
-STOP_POLL_SECONDS between heartbeats, of the jobs held that long; RQ's command is read as it
-arrives. A requested job is then
+``ortq_request_stop_v1`` only while the job is started. The heartbeat thread reads whether that
+field is set (its length: one HSTRLEN a job) for every job the worker holds, in the heartbeat's
+round trip, and every STOP_POLL_SECONDS between heartbeats for the jobs held that long; RQ's
+command is read as it arrives. A requested job is then
 
 * not run, when the main thread has not run it yet (checked before each run: a set lookup);
 * stopped in its run, when every job of the run in flight is requested (``RunOptions.terminate``,

@@ -373,8 +373,13 @@ def test_an_id_of_your_own_never_overwrites_a_job(node_client: Path, redis_url: 
             "submit", proxy.url, model_name, "--allow-unknown-model", "--job-id", f"{job_id}-b", stdin=as_json({"x": x})
         )
         assert proxy.cuts == 1 and cut["job"] == f"{job_id}-b"
+        proxy.cut_next("before", "FCALL")  # it never ran: read back as not there, sent again
+        cut = cli(
+            "submit", proxy.url, model_name, "--allow-unknown-model", "--job-id", f"{job_id}-c", stdin=as_json({"x": x})
+        )
+        assert proxy.cuts == 2 and cut["job"] == f"{job_id}-c"
     queued = [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)]  # type: ignore[union-attr]
-    assert queued == [job_id, f"{job_id}-b"]
+    assert queued == [job_id, f"{job_id}-b", f"{job_id}-c"]
 
 
 def test_a_cancel_whose_lrem_reply_was_lost_cancels_the_job(node_client: Path, redis_url: str, model_name: str) -> None:

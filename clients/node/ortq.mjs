@@ -288,10 +288,10 @@ export class Client {
       if (err instanceof ReplyError || err instanceof OrtqError) throw err;
       outcomes = await this.#uniqueOutcomes(jobs, settings.model, now);
     }
-    const missing = jobs.filter((job, i) => outcomes[i] === null);
+    const missing = jobs.flatMap((job, i) => (outcomes[i] === null ? [i] : []));
     if (missing.length) {
-      const again = await send(missing);
-      for (const [j, job] of missing.entries()) outcomes[jobs.indexOf(job)] = again[j];
+      const again = await send(missing.map((i) => jobs[i]));
+      for (const [j, i] of missing.entries()) outcomes[i] = again[j];
     }
     return outcomes;
   }

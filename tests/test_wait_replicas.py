@@ -142,10 +142,13 @@ def test_a_submit_no_replica_confirms_is_refused_and_its_job_answered_once_when_
     workers = WorkerProcesses(tmp_path)
     try:
         workers.serve(tiny_path, model_name, url)
-        with Producer(settings=settings) as producer:
+        # Served with the replica up (confirmed within 10 s: on a loaded machine the replica's
+        # acknowledgement can take longer than WAIT_MS, which the refusal below is about).
+        with Producer(settings=Settings.from_url(url, wait_replicas=1, wait_replicas_ms=10_000)) as patient:
             np.testing.assert_array_equal(
-                producer.infer(model_name, {"x": x}, timeout=30)["y"], session.run(None, {"x": x})[0]
+                patient.infer(model_name, {"x": x}, timeout=30)["y"], session.run(None, {"x": x})[0]
             )
+        with Producer(settings=settings) as producer:
             replicated.pause()
             refused = [str(uuid.uuid4()), str(uuid.uuid4())]
             with pytest.raises(BrokerUnavailable, match=r"0 of 1 replica\(s\) confirmed.*may have been enqueued"):

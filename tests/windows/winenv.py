@@ -240,7 +240,7 @@ class WindowsProcess:
                 self.popen.wait(grace)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
-                self.popen.wait(10)
+                self.popen.wait(30)  # a loaded machine took longer than 10 s to reap a killed wine once
         self.output.join(1)
         return self.popen.returncode
 

@@ -3,7 +3,7 @@ filled beforehand, then Redis's ``INFO commandstats`` is divided by the job coun
 
     python -m bench.redis_profile [--jobs 6000] [--max-batch 32] [--rq-results on,off]
                                   [--rq-executions on,off] [--stream-node-max-bytes 4096,512]
-                                  [--split]
+                                  [--split] [--before DIR [--rounds 3]]
 
 ``evalsha`` is the scripts' whole time; the commands they call are also listed on their own
 (their sum is the part of ``evalsha`` spent inside commands; the rest is Lua itself: the
@@ -11,12 +11,21 @@ interpreter, argument and reply conversion). ``--split`` also says which script 
 (start, finish, ...): Redis's SLOWLOG records every call meanwhile, and ``evalsha``'s total is
 shared out in proportion to each script's logged time (logging every call slows Redis a little, so
 the totals of a ``--split`` run are a little higher than those of a run without it).
+
+``--before DIR`` compares two checkouts side by side: this script runs from DIR (e.g. a git
+worktree of the commit before) and from here in turn, ``--rounds`` times each, alternating which
+goes first, and prints both medians and their ratio (the scripts' time and redis-server's CPU, a
+job), so that a noisy machine's drift falls on both alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import re
+import statistics
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -48,7 +57,11 @@ def main() -> None:
         help="Redis's setting, or several (4096,512) run one after the other (docs/operations.md)",
     )
     parser.add_argument("--split", action="store_true", help="share the scripts' time out by script (SLOWLOG)")
+    parser.add_argument("--before", help="another checkout of ortq, profiled in turn with this one")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before: runs of each checkout")
     args = parser.parse_args()
+    if args.before:
+        return side_by_side(args.before, args.rounds, ["--jobs", str(args.jobs), "--max-batch", str(args.max_batch)])
     for node_bytes in args.stream_node_max_bytes.split(","):
         for results in args.rq_results.split(","):
             for executions in args.rq_executions.split(","):
@@ -92,6 +105,33 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
     for usec, calls, name in rows:
         if usec >= 0.05:
             print(f"  {name:24} {usec:7.2f} us/job {calls:6.2f} calls/job")
+
+
+_MEASURES = {
+    "scripts": re.compile(r"the scripts ([0-9.]+) us/job"),
+    "redis-server CPU": re.compile(r"redis-server's CPU in all .*? ([0-9.]+) us/job"),
+}
+
+
+def side_by_side(before: str, rounds: int, options: list[str]) -> None:
+    """This profile run from ``before`` and from here, alternated; the medians and their ratio."""
+    trees = {"before": before, "after": "."}
+    found: dict[str, dict[str, list[float]]] = {tag: {name: [] for name in _MEASURES} for tag in trees}
+    for round_ in range(rounds):
+        for tag in list(trees) if round_ % 2 == 0 else list(reversed(trees)):
+            command = [sys.executable, "-m", "bench.redis_profile", *options]
+            text = subprocess.run(command, cwd=trees[tag], check=True, capture_output=True, text=True).stdout
+            for name, pattern in _MEASURES.items():
+                if match := pattern.search(text):
+                    found[tag][name].append(float(match.group(1)))
+            print(f"round {round_ + 1} {tag}: {text.splitlines()[0] if text else ''}")
+            print("  " + "; ".join(f"{name} {values[-1]:.1f} us/job" for name, values in found[tag].items() if values))
+    for name in _MEASURES:
+        medians = {tag: statistics.median(found[tag][name]) for tag in trees if found[tag][name]}
+        if len(medians) == 2:
+            ratio = medians["after"] / medians["before"]
+            print(f"{name}: before {medians['before']:.1f}, after {medians['after']:.1f} us/job (median of {rounds}): "
+                  f"after / before {ratio:.2f}")  # fmt: skip
 
 
 def _script_shares(connection: Any) -> dict[str, float]:

@@ -35,6 +35,13 @@ WORKERS_SET = PREFIX + "workers"
 #: served) and read as gone.
 SIGNATURES_SET = PREFIX + "signatures"
 
+#: The prefixes of ortq's per-job and per-version keys (the functions below add the model and id;
+#: the worker's scripts build the same names from them: ortq/rqcompat/contract.py).
+REQUEST_PREFIX = PREFIX + "req:"
+REPLY_PREFIX = PREFIX + "reply:"
+STAGE_PREFIX = PREFIX + "stage:"
+PARKED_PREFIX = PREFIX + "parked:"
+
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
@@ -80,13 +87,13 @@ def job_key(job_id: str) -> str:
 def request_key(model: str, job_id: str) -> str:
     """String holding the job's request frame; written with the enqueue, deleted when the job ends.
     Named by model, so that a per-model ACL rule covers it (docs/security.md)."""
-    return PREFIX + "req:" + model + ":" + job_id
+    return REQUEST_PREFIX + model + ":" + job_id
 
 
 def reply_key(model: str, job_id: str) -> str:
     """Stream holding the job's one response frame (field ``frame``), written by workers only;
     producers wait on it with XREAD, which writes nothing. Named by model, as the request."""
-    return PREFIX + "reply:" + model + ":" + job_id
+    return REPLY_PREFIX + model + ":" + job_id
 
 
 def answer_stage_key(job_id: str, execution_id: str) -> str:
@@ -94,7 +101,7 @@ def answer_stage_key(job_id: str, execution_id: str) -> str:
     just before its finish script, which renames it to the reply key if the execution still owns
     the job (the frame never enters Lua: Redis 7's Lua hashes every byte of a string) and deletes
     it otherwise; it expires with the answer's ttl if the worker dies in between."""
-    return PREFIX + "stage:" + job_id + ":" + execution_id
+    return STAGE_PREFIX + job_id + ":" + execution_id
 
 
 def last_high_key(model: str) -> str:
@@ -115,7 +122,7 @@ def parked_key(model: str, version: str) -> str:
     """List of the ids of ``model``'s jobs pinned to ``version`` that a worker of another version
     took off the queue: the start script of a worker of that version takes them before the queue.
     Written by workers only."""
-    return PREFIX + "parked:" + model + "@" + version
+    return PARKED_PREFIX + model + "@" + version
 
 
 def worker_key(worker_name: str) -> str:

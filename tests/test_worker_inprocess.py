@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -35,7 +34,7 @@ from ortq.errors import (
 )
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
-from ortq.rqcompat import layout
+from ortq.rqcompat import contract, layout
 from ortq.rqcompat.acl import refused_command
 from ortq.rqcompat.book import JOB_FIELDS, Book, Finished, Skipped, StartedJob, script_source
 from ortq.rqcompat.layout import utcnow
@@ -313,7 +312,10 @@ def test_start_sends_a_jobs_field_values_once_per_run_of_alike_jobs(
     connection.hdel(keys.job_key(ids[3]), "enqueued_at")  # sent as nil
     stored = {job_id: connection.hmget(keys.job_key(job_id), list(JOB_FIELDS)) for job_id in ids}
     reply, moment, _ = book.start(b"", 8, 0)
-    sent = [len(values) for _, _, values, *_ in reply[0]]
+    sent, at = [], len(contract.START_HEAD) + 2 * reply[1]  # the flat reply's value counts
+    while at < len(reply):
+        sent.append(reply[at + len(contract.START_JOB) - 1])
+        at += len(contract.START_JOB) + sent[-1]
     assert sent == [len(JOB_FIELDS), 1, len(JOB_FIELDS), 1]  # the third's timeout differs
     started, _ = book.parse_start(reply, moment)
     for job in started:  # as read, before start.lua marked them started
@@ -415,8 +417,10 @@ def test_a_stage_deleted_before_the_finish_script_leaves_its_job_to_be_taken_bac
         pipe.xadd(stage, {"frame": large})
         pipe.delete(stage)
 
-    packed = [[job_id, started.execution_id, 60, "0.1", "", repr(started.started_at.timestamp()), 1]]
-    args = [book.queue.name, book.worker_name, "", 1, "2026-01-01T00:00:00.000000Z", "0", msgpack.packb(packed), b""]
+    named = {"queue": book.queue.name, "worker": book.worker_name, "state": "", "count": 1,
+             "ended_iso": "2026-01-01T00:00:00.000000Z", "ended_at": "0", "moment_count": 1}  # fmt: skip
+    moments = ["0.1", repr(started.started_at.timestamp())]
+    args = contract.arguments("finish", named, [*moments, job_id, started.execution_id, 60, 1, "", b""])  # staged
     reply, _ = book._pipelined("finish", args, before=deleted_stage)
     assert reply == 0  # not answered, not finished: still started, for its worker to take back
     assert not connection.exists(keys.reply_key(model_name, job_id))

@@ -32,8 +32,9 @@ import redis
 
 from ortq import keys
 from ortq.replication import NO_CONFIRM, Confirm
-from ortq.rqcompat import layout
+from ortq.rqcompat import contract, layout
 from ortq.rqcompat.abandoned import TAG_DIGITS, Abandoned, execution_tag
+from ortq.rqcompat.contract import JOB_FIELDS
 from ortq.rqcompat.layout import QueueKeys, utcformat, utcnow
 from ortq.settings import frame_argument
 
@@ -41,23 +42,6 @@ log = logging.getLogger("ortq.worker")
 
 _LUA = Path(__file__).parent / "lua"
 
-#: The job hash fields start.lua reads, in its order (its FIELDS).
-JOB_FIELDS = (
-    "status",
-    "data",
-    "enqueued_at",
-    "timeout",
-    "ttl",
-    "result_ttl",
-    "failure_ttl",
-    "retries_left",
-    "retry_intervals",
-    "success_callback_name",
-    "failure_callback_name",
-    "stopped_callback_name",
-    "origin",
-    "ortq_version",
-)
 _JOB_FIELD_KEYS = tuple(name.encode() for name in JOB_FIELDS)
 
 #: How long a started job's records live unless refreshed, for a job without a timeout: RQ's
@@ -68,8 +52,9 @@ DEFAULT_JOB_TTL = layout.DEFAULT_WORKER_TTL + 60
 
 @cache
 def script_source(name: str) -> str:
-    """The Lua of ``lua/<name>.lua`` with the shared helpers of ``lua/common.lua`` before it."""
-    return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
+    """The Lua of ``lua/<name>.lua`` with the contract's constants (contract.prelude) and the
+    shared helpers of ``lua/common.lua`` before it."""
+    return contract.prelude(name) + (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
 
 
 #: The names of ortq's scripts (lua/<name>.lua), each loaded with common.lua before it.
@@ -207,8 +192,20 @@ class Book:
         count, width = bool(first_id) + more, 32 - TAG_DIGITS
         randoms = os.urandom(width // 2 * count).hex()
         executions = "".join([self.tag + randoms[i : i + width] for i in range(0, width * count, width)])
-        args = [self.queue.name, self.worker_name, moment.timestamp(), utcformat(moment), DEFAULT_JOB_TTL]
-        args += [more, inline, first_id, executions, self.version, self.parked_ttl]
+        named = {
+            "queue": self.queue.name,
+            "worker": self.worker_name,
+            "now": moment.timestamp(),
+            "now_iso": utcformat(moment),
+            "default_ttl": DEFAULT_JOB_TTL,
+            "more": more,
+            "inline": inline,
+            "first": first_id,
+            "executions": executions,
+            "version": self.version,
+            "parked_ttl": self.parked_ttl,
+        }
+        args = contract.arguments("start", named)
         reply, others = self._pipelined("start", args, after=beside)
         return reply, moment, others
 
@@ -246,18 +243,30 @@ class Book:
         return reply, others
 
     def parse_start(self, reply: Any, moment: datetime) -> tuple[list[StartedJob], list[Skipped]]:
-        started_raw, skipped_raw, _ = reply
+        """start.lua's flat reply (contract.START_HEAD, the skipped pairs, contract.START_JOB per
+        job with its field values) as records."""
+        skipped_count = int(reply[1])
+        at = len(contract.START_HEAD)
+        # A reason quotes a status read from the job hash: any bytes at all.
+        pairs = range(at, at + 2 * skipped_count, 2)
+        skipped = [Skipped(reply[i], reply[i + 1].decode(errors="replace")) for i in pairs]
+        at += 2 * skipped_count
         started = []
         previous: dict[bytes, bytes] = {}
-        for job_id, execution, values, oversized, ttl, frame_size, frame in started_raw:
-            if len(values) == 1:  # the previous job's values but enqueued_at (start.lua)
+        end, width = len(reply), len(contract.START_JOB)
+        while at < end:
+            job_id, execution, ttl, frame_size, frame, oversized, count = reply[at : at + width]
+            at += width
+            if count == 1:  # the previous job's values but enqueued_at (start.lua)
                 fields = previous.copy()
                 fields.pop(b"enqueued_at", None)
-                if values[0]:
-                    fields[b"enqueued_at"] = values[0]
-            else:
-                # An oversized field leaves no values at all (nothing was read): the job is failed for it.
-                fields = {name: v for name, v in zip(_JOB_FIELD_KEYS, values, strict=False) if v}
+                if reply[at]:
+                    fields[b"enqueued_at"] = reply[at]
+            elif count:
+                fields = {name: v for name, v in zip(_JOB_FIELD_KEYS, reply[at : at + count], strict=True) if v}
+            else:  # an oversized field leaves no values at all (nothing was read): the job is failed for it
+                fields = {}
+            at += count
             if not oversized:
                 previous = fields
             # Ids and field names are ASCII: start.lua started no id outside RQ's rule, and made the
@@ -274,36 +283,47 @@ class Book:
                     frame or None,
                 )
             )
-        # A reason quotes a status read from the job hash: any bytes at all.
-        skipped = [Skipped(entry, reason.decode(errors="replace")) for entry, reason in skipped_raw]
         return started, skipped
 
     @staticmethod
     def backlog(reply: Any) -> int:
         """How many entries a start left on the queue (from its reply)."""
-        return int(reply[2])
+        return int(reply[0])
 
     def finish(self, jobs: Sequence[Finished], state: str = "idle") -> int:
         """Answer every job, then write what RQ writes for each finished job; one round trip.
         Returns how many were still this worker's to answer."""
         ended = utcnow()
         ended_at = ended.timestamp()
-        small, frames, staged = [], [], []
-        moments: dict[datetime, tuple[str, str]] = {}  # a start's jobs share their moment
+        per_job: list[Any] = []
+        staged = []
+        # A start's jobs share their moment: (working seconds, started) once per moment, by number.
+        moments: dict[datetime, int] = {}
+        pairs: list[str] = []
         for job in jobs:
             started = job.started
-            if (texts := moments.get(started.started_at)) is None:
+            if (moment := moments.get(started.started_at)) is None:
                 started_at = started.started_at.timestamp()
                 # Floats as redis-py would send them (repr), so that the records read as before.
-                texts = moments[started.started_at] = (repr(ended_at - started_at), repr(started_at))
+                pairs += (repr(ended_at - started_at), repr(started_at))
+                moment = moments[started.started_at] = len(moments) + 1
             value = b"" if job.return_value is None else b64encode(job.return_value)
-            is_staged = len(job.frame) >= STAGED_ANSWER_BYTES
-            small.append([started.job_id, started.execution_id, job.ttl, texts[0], value, texts[1], int(is_staged)])
-            frames.append(b"" if is_staged else frame_argument(job.frame))
-            if is_staged:
+            frame: bytes | memoryview = b""  # contract.FINISH_JOB: a staged job's frame is ''
+            if len(job.frame) >= STAGED_ANSWER_BYTES:
                 staged.append(job)
-        head = [self.queue.name, self.worker_name, state, len(jobs), utcformat(ended), repr(ended_at)]
-        packed = msgpack.packb(small, use_bin_type=False)
+            else:
+                frame = frame_argument(job.frame)
+            per_job += (started.job_id, started.execution_id, job.ttl, moment, value, frame)
+        named = {
+            "queue": self.queue.name,
+            "worker": self.worker_name,
+            "state": state,
+            "count": len(jobs),
+            "ended_iso": utcformat(ended),
+            "ended_at": repr(ended_at),
+            "moment_count": len(moments),
+        }
+        args = contract.arguments("finish", named, [*pairs, *per_job])
 
         def stage(pipe: Any) -> None:  # large answers go in beside the script, never through Lua
             for job in staged:
@@ -312,7 +332,7 @@ class Book:
                 pipe.xadd(key, {"frame": frame_argument(job.frame)})
                 pipe.expire(key, job.ttl)
 
-        reply, confirmed = self._pipelined("finish", [*head, packed, *frames], before=stage, after=self.confirm.queue)
+        reply, confirmed = self._pipelined("finish", args, before=stage, after=self.confirm.queue)
         if isinstance(reply, Exception):
             raise reply
         self.confirm.check(confirmed)
@@ -333,26 +353,27 @@ class Book:
         worker had taken it back meanwhile. True for a second send whose first failed the job here
         (its reply lost; a retry's first send cannot be told from a take-back: False)."""
         ended = utcnow()
-        args = [
-            self.queue.name,
-            self.worker_name,
-            state,
-            started.job_id,
-            started.execution_id,
-            error,
-            ttl,
-            exc_string(reason),
-            ended.timestamp(),
-            utcformat(ended),
-            started.started_at.timestamp(),
-            (ended - started.started_at).total_seconds(),
-            "" if retry is None else "now" if retry.at is None else "at",
+        named = {
+            "queue": self.queue.name,
+            "worker": self.worker_name,
+            "state": state,
+            "id": started.job_id,
+            "execution": started.execution_id,
+            "error": error,
+            "ttl": ttl,
+            "exc_string": exc_string(reason),
+            "now": ended.timestamp(),
+            "now_iso": utcformat(ended),
+            "started_at": started.started_at.timestamp(),
+            "working": (ended - started.started_at).total_seconds(),
+            "retry": "" if retry is None else "now" if retry.at is None else "at",
             # Whole seconds (RQ's scheduled registry), rounded up: a retry never runs before its backoff.
-            "" if retry is None or retry.at is None else math.ceil(retry.at),
-            "" if retry is None else retry.retries_left,
-            "" if retry is None else retry.ttl,
-            status,
-        ]
+            "retry_at": "" if retry is None or retry.at is None else math.ceil(retry.at),
+            "retries_left": "" if retry is None else retry.retries_left,
+            "retry_ttl": "" if retry is None else retry.ttl,
+            "status": status,
+        }
+        args = contract.arguments("fail", named)
         reply, confirmed = self._pipelined("fail", args, after=self.confirm.queue)
         if isinstance(reply, Exception):
             raise reply

@@ -52,8 +52,8 @@ local function worker_key(worker) return PREFIX .. ':worker:' .. worker end
 -- A job's request frame and reply, named by its model (the queue's name less ORTQ: ortq:<model>),
 -- so that a per-model ACL rule covers them (docs/security.md).
 local function model_of(queue) return string.sub(queue, #ORTQ + 1) end
-local function request_key(queue, id) return ORTQ .. 'req:' .. model_of(queue) .. ':' .. id end
-local function reply_key(queue, id) return ORTQ .. 'reply:' .. model_of(queue) .. ':' .. id end
+local function request_key(queue, id) return K.request .. model_of(queue) .. ':' .. id end
+local function reply_key(queue, id) return K.reply .. model_of(queue) .. ':' .. id end
 
 -- The command `head` (its name and any key: {'ZADD', key}) with `items` after it, in calls of at
 -- most CHUNK items: Lua's unpack takes a few thousand values at most, and a batch may be larger.

@@ -2,87 +2,110 @@
 -- handle_job_success writes for each (job status, result stream, finished registry, TTLs, the end
 -- of the execution), then the worker's counters once for the batch. Whatever RQ writes to one key
 -- for every job (registries, deletions) is one call for the batch.
--- ARGV: 5 queue name, 6 worker name, 7 the worker's state afterwards ('' to leave it), 8 job count,
---       9 ended (RQ's ISO), 10 ended (epoch s), 11 the jobs, msgpack: per job an array of id,
---       execution id, ttl (s), working seconds, return value (base64 msgpack; '' writes no result
---       stream entry), started (epoch s), staged (1: its response frame waits in its stage stream,
---       written beside this call, and is renamed to its reply: a large frame never enters Lua,
---       whose strings Redis 7 hashes byte by byte); then 12... each job's response frame ('' when
---       staged). (One msgpack argument for a job's small values instead of seven: the worker's
---       Redis client packs each argument on its own, in Python.)
+-- Arguments: contract.SCRIPT_ARGS['finish'], then contract.FINISH_JOB's values per job, read from
+-- ARGV where they are (no table per job, no msgpack to decode). A staged job (frame '') has its
+-- response frame in its stage stream, written beside this call, and renamed to its reply: a large
+-- frame never enters Lua, whose strings Redis 7 hashes byte by byte.
 -- Returns the number of jobs answered (a job taken back meanwhile is not: fencing).
-local queue, worker, n = ARGV[5], ARGV[6], tonumber(ARGV[8])
-local ended_iso, ended_at = ARGV[9], ARGV[10]
-local jobs = cmsgpack.unpack(ARGV[11])
+local queue, worker, n = A.queue, A.worker, tonumber(A.count)
+local ended_iso, ended_at = A.ended_iso, A.ended_at
+local moments = A.moments_at - 1  -- ARGV[moments + 2m - 1], ARGV[moments + 2m]: moment m's pair
+local base = A.moments_at + 2 * tonumber(A.moment_count) - 1  -- job j's values: ARGV[base + FINISH_JOB * (j - 1) + i]
+local model = model_of(queue)
+local reply_prefix, request_prefix, stage_prefix = K.reply .. model .. ':', K.request .. model .. ':', K.stage
+local job_prefix, results_prefix = PREFIX .. ':job:', PREFIX .. ':results:'
 local composites = {}
-for j = 1, n do composites[j] = jobs[j][1] .. ':' .. jobs[j][2] end
+for j = 1, n do
+  local at = base + FINISH_JOB * (j - 1)
+  composites[j] = ARGV[at + 1] .. ':' .. ARGV[at + 2]
+end
 -- Fencing: a job whose started entry is gone was taken back (its worker was thought dead) and
 -- belongs to its next execution. A started registry of another type owns nothing.
 local scores = {}
 if n > 0 then scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', wip_key(queue)}, composites), 'ZMSCORE') end
-local function stage_key(j) return ORTQ .. 'stage:' .. composites[j] end
-local live, gone, ekeys = {}, {}, {}
+local live, nl, gone, ng, ekeys = {}, 0, {}, 0, {}
+local staged_any = false
 if type(scores) == 'table' and not scores.err then
   for j = 1, n do
+    local at = base + FINISH_JOB * (j - 1)
     -- A staged answer that is gone (deleted by someone) leaves its job started, untouched: its
     -- worker takes it back as its own orphan and runs it again.
-    local staged = jobs[j][7] == 1
-    if scores[j] and type(scores[j]) ~= 'table' and (not staged or kind(stage_key(j)) == 'stream') then
-      table.insert(live, j)
-      local id = jobs[j][1]
+    local staged = ARGV[at + 6] == ''
+    if staged then staged_any = true end
+    local score = scores[j]
+    if score and type(score) ~= 'table' and (not staged or kind(stage_prefix .. composites[j]) == 'stream') then
+      nl = nl + 1
+      live[nl] = j
+      local id = ARGV[at + 1]
       -- the reply key emptied (see answer; a staged answer's RENAME replaces it) and the request
       -- deleted: one DEL; the execution hashes: one DEL of their own, below
-      if not staged then table.insert(gone, reply_key(queue, id)) end
-      table.insert(gone, request_key(queue, id))
-      if EXECUTIONS then table.insert(ekeys, PREFIX .. ':execution:' .. composites[j]) end
+      if not staged then
+        gone[ng + 1] = reply_prefix .. id
+        ng = ng + 1
+      end
+      gone[ng + 1] = request_prefix .. id
+      ng = ng + 1
+      if EXECUTIONS then ekeys[#ekeys + 1] = PREFIX .. ':execution:' .. composites[j] end
     end
   end
 end
-local answered = {}
-for _, j in ipairs(live) do
-  answered[j] = true
-  -- Staged answers first, before anything is written: a RENAME the ACL refuses (a worker rule
-  -- from before +rename) then ends the call having changed nothing.
-  if jobs[j][7] == 1 then redis.call('RENAME', stage_key(j), reply_key(queue, jobs[j][1])) end
+if staged_any then
+  local answered = {}
+  for i = 1, nl do
+    local j = live[i]
+    local at = base + FINISH_JOB * (j - 1)
+    answered[j] = true
+    -- Staged answers first, before anything is written: a RENAME the ACL refuses (a worker rule
+    -- from before +rename) then ends the call having changed nothing.
+    if ARGV[at + 6] == '' then redis.call('RENAME', stage_prefix .. composites[j], reply_prefix .. ARGV[at + 1]) end
+  end
+  for j = 1, n do  -- the stages of answers this call does not post (taken back meanwhile)
+    if ARGV[base + FINISH_JOB * (j - 1) + 6] == '' and not answered[j] then
+      ng = ng + 1
+      gone[ng] = stage_prefix .. composites[j]
+    end
+  end
 end
-for j = 1, n do  -- the stages of answers this call does not post (taken back meanwhile)
-  if jobs[j][7] == 1 and not answered[j] then table.insert(gone, stage_key(j)) end
-end
-if #gone > 0 then each_chunk(redis.call, {'DEL'}, gone) end
+if ng > 0 then each_chunk(redis.call, {'DEL'}, gone) end
 -- RQ's execution records exist only for jobs a heartbeat saw running (executions.lua): a batch
 -- that had none (most of short jobs') leaves the jobs' executions and the worker's index alone.
 local recorded = 0
 if #ekeys > 0 then recorded = each_chunk(redis.call, {'DEL'}, ekeys) end
 local working, finished, index = 0, {}, {}
 local ended_whole = math.floor(tonumber(ended_at))
-for _, j in ipairs(live) do
-  local id, execution, ttl, spent, value, started_at, staged = unpack(jobs[j])
-  if staged == 1 then  -- renamed above: the whole stream, its one entry, no byte copied
-    redis.call('EXPIRE', reply_key(queue, id), ttl)
-  else
-    post(queue, id, ARGV[11 + j], ttl)
-  end
-  local job = job_key(id)
+for i = 1, nl do
+  local j = live[i]
+  local at = base + FINISH_JOB * (j - 1)
+  local id, execution, ttl, m, value, frame = ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4], ARGV[at + 5], ARGV[at + 6]
+  local reply = reply_prefix .. id
+  -- a staged answer was renamed above: the whole stream, its one entry, no byte copied
+  if frame ~= '' then redis.call('XADD', reply, '*', 'frame', frame) end
+  redis.call('EXPIRE', reply, ttl)
+  local job = job_prefix .. id
   local set = redis.pcall('HSET', job, 'status', 'finished', 'ended_at', ended_iso)
-  if type(set) ~= 'table' then redis.call('EXPIRE', job, ttl) end  -- an error: no job hash to keep
-  working = working + tonumber(spent)
+  if type(set) ~= 'table' then
+    redis.call('EXPIRE', job, ttl)
+  else  -- an error: no job hash to keep, unless it is the ACL's
+    unless_acl(set, 'HSET')
+  end
+  local pair = moments + 2 * tonumber(m)
+  working = working + tonumber(ARGV[pair - 1])
   if value ~= '' then
-    local results = PREFIX .. ':results:' .. id
-    write('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', worker,
-          'return_value', value, 'execution_id', execution,
-          'execution_started_at', started_at, 'execution_ended_at', ended_at)
+    local results = results_prefix .. id
+    write('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '1', 'worker_name', worker, 'return_value', value,
+          'execution_id', execution, 'execution_started_at', ARGV[pair], 'execution_ended_at', ended_at)
     redis.call('EXPIRE', results, ttl)
   end
-  table.insert(finished, ended_whole + ttl)
-  table.insert(finished, id)
-  table.insert(index, composites[j])
+  finished[2 * i - 1] = ended_whole + tonumber(ttl)
+  finished[2 * i] = id
+  index[i] = composites[j]
   if recorded > 0 then remove('ZREM', PREFIX .. ':executions:' .. id, execution) end
 end
-if #live > 0 then
+if nl > 0 then
   -- What RQ writes per job, written once for the batch.
   each_chunk(write, {'ZADD', PREFIX .. ':finished:' .. queue}, finished)
   each_chunk(remove, {'ZREM', wip_key(queue)}, index)
   if RQ3 and recorded > 0 then each_chunk(remove, {'SREM', worker_key(worker) .. ':executions'}, index) end
 end
-worker_done(worker, 'successful_job_count', #live, working, ARGV[7])
-return #live
+worker_done(worker, 'successful_job_count', nl, working, A.state)
+return nl

@@ -25,6 +25,8 @@ const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v1';
 const REQUEST_STOP = 'ortq_request_stop_v1';
 /** Most reply streams one XREAD names. */
 const XREAD_STREAMS = 256;
+/** The most ids one RPUSH of an enqueue carries (section 3.2): a larger batch's go in several, in order. */
+const PUSH_CHUNK = 1000;
 /** The errors a worker answers without having read the request, so with no proof, each in fixed
  * words of its own: such an error is still the job's answer. */
 export const UNPROVEN_ERRORS = new Set(['RequestExpired', 'PayloadTooLarge', 'InvalidJob', 'WireFormatError', 'WorkerLost']);
@@ -348,20 +350,26 @@ export class Client {
     return replies.some(([, value], i) => (i % 2 === 0 ? value !== null : value !== 'none'));
   }
 
-  /** Section 3.2's five commands per job in one MULTI/EXEC; the [error, reply] of each command. */
+  /** Section 3.2's transaction: three commands per job (high priority: four, with its FCALL or
+   * EVAL), then one SADD and the RPUSH of all the ids in order, PUSH_CHUNK a command, in one
+   * MULTI/EXEC; the [error, reply] of each command. */
   #enqueue(jobs, { model, priority, ttl, jobTimeout, wait }, how) {
     const now = new Date().toISOString(); // RQ's format: UTC, 3 fraction digits, Z
     const queue = this.queueKey(model);
+    const fields = this.#jobFields(model, priority, ttl, jobTimeout, now);
     const multi = this.enqueuer.multi();
     for (const job of jobs) {
-      const fields = this.#jobFields(model, priority, ttl, jobTimeout, now);
       multi.set(requestKey(model, job.id), job.frame, 'EX', wait);
       multi.hset(this.jobKey(job.id), fields);
       multi.expire(this.jobKey(job.id), wait + this.failureTtl);
-      multi.sadd(`${this.rqPrefix}:queues`, queue);
-      if (priority !== 'high') multi.rpush(queue, job.id);
-      else if (how === 'fcall') multi.call('FCALL', ENQUEUE_HIGH, 2, queue, `ortq:last-high:${model}`, job.id, wait);
+      if (priority !== 'high') continue;
+      if (how === 'fcall') multi.call('FCALL', ENQUEUE_HIGH, 2, queue, `ortq:last-high:${model}`, job.id, wait);
       else multi.eval(ENQUEUE_HIGH_SCRIPT, 2, queue, `ortq:last-high:${model}`, job.id, wait);
+    }
+    multi.sadd(`${this.rqPrefix}:queues`, queue);
+    if (priority !== 'high') {
+      const ids = jobs.map((job) => job.id);
+      for (let at = 0; at < ids.length; at += PUSH_CHUNK) multi.rpush(queue, ...ids.slice(at, at + PUSH_CHUNK));
     }
     return multi.exec();
   }
@@ -410,12 +418,16 @@ export class Client {
    * remove again, and report, a job any other required command of which failed. */
   async #settle(jobs, settings, replies) {
     const broken = [];
+    const high = settings.priority === 'high';
+    const perJob = high ? 4 : 3;
+    const pushes = replies.slice(perJob * jobs.length + 1); // after the optional SADD: each RPUSH's
     for (const [index, job] of jobs.entries()) {
-      const results = replies.slice(5 * index, 5 * index + 5);
-      const failed = results.findIndex(([err], i) => err && i !== 3); // 3: the optional SADD
+      const results = replies.slice(perJob * index, perJob * index + perJob);
+      if (!high) results.push(pushes[Math.floor(index / PUSH_CHUNK)]); // a failed RPUSH fails all it carried
+      const failed = results.findIndex(([err]) => err);
       if (failed === -1) continue;
       const err = results[failed][0];
-      if (failed === 4 && settings.priority === 'high' && /function not found/i.test(err.message)) {
+      if (failed === 3 && high && /function not found/i.test(err.message)) {
         // No worker has loaded ortq's function yet: the same code by EVAL (section 3.5).
         const queue = this.queueKey(settings.model);
         try {

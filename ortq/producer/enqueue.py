@@ -113,6 +113,27 @@ def new_nonce() -> bytes:
     return os.urandom(16)
 
 
+def new_nonces(count: int) -> list[bytes]:
+    """``count`` nonces (:func:`new_nonce`), from one read of the system's randomness."""
+    raw = os.urandom(16 * count)
+    return [raw[at : at + 16] for at in range(0, len(raw), 16)]
+
+
+#: What makes 128 random bits a version-4 UUID (RFC 4122 variant), as ``uuid.UUID(version=4)`` sets them.
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET = (4 << 76) | (0x8000 << 48)
+
+
+def new_job_ids(count: int) -> list[str]:
+    """``count`` new job ids: random version-4 UUIDs, written as ``str(uuid.uuid4())`` writes them (in
+    about half its time: a submit_many makes one a job)."""
+    ids = []
+    for _ in range(count):
+        h = f"{int.from_bytes(os.urandom(16)) & _UUID4_CLEAR | _UUID4_SET:032x}"
+        ids.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+    return ids
+
+
 def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
     """The RQ job hash fields ortq writes for a queued job."""
     fields: dict[str, Any] = {
@@ -145,41 +166,69 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
 def add_enqueue(
     pipe: Any, model: str, frame: bytes, options: JobOptions, job_id: str | None = None, by_eval: bool = False
 ) -> str:
-    """Queue the commands that enqueue one job on ``pipe`` (a MULTI); returns the job id.
+    """Queue the commands that enqueue one job on ``pipe`` (a MULTI); returns the job id
+    (:func:`add_enqueues` of one job)."""
+    job_id = job_id or str(uuid4())
+    add_enqueues(pipe, model, [frame], options, [job_id], by_eval)
+    return job_id
+
+
+#: The most ids one RPUSH of a batch carries: a larger batch's go in several RPUSHes, in order, so
+#: that no command's argument list grows with the batch.
+PUSH_CHUNK = 1000
+
+
+def add_enqueues(
+    pipe: Any, model: str, frames: list[bytes], options: JobOptions, ids: list[str], by_eval: bool = False
+) -> None:
+    """Queue the commands that enqueue the jobs ``ids`` (one a frame of ``frames``) on ``pipe`` (a
+    MULTI), as docs/wire-format.md lists them: for each job its request frame's SET, its hash's HSET
+    and EXPIRE (and, high-priority, the FCALL that puts it on its queue); then one SADD of RQ's queue
+    registry and, normal-priority, one RPUSH of all the ids in order (:data:`PUSH_CHUNK` a command).
+    :func:`enqueue_errors` reads the replies of that layout.
 
     The job hash always expires (``wait_ttl + failure_ttl``) until a worker starts the job, so
     that a job nobody takes (a queue deleted, a model never served) leaves nothing behind; a
     worker that finds it past its ttl still has failure_ttl to fail it with a reason.
     ``by_eval``: a high-priority job goes in by EVAL instead of FCALL (a Redis without functions).
+    The jobs of one MULTI go in at one moment, and their hashes have one ``created_at``.
     """
-    job_id = job_id or str(uuid4())
     wait = options.wait_ttl
-    pipe.set(keys.request_key(model, job_id), frame_argument(frame), ex=wait)
-    pipe.hset(keys.job_key(job_id), mapping=job_hash(model, options, layout.utcformat(layout.utcnow())))
-    pipe.expire(keys.job_key(job_id), wait + options.failure_ttl)
-    pipe.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model))
-    if options.priority == "high" and by_eval:
-        add_enqueue_high_by_eval(pipe, model, job_id, options)
-    elif options.priority == "high":
-        pipe.fcall(redisfunctions.FUNCTION, 2, keys.queue_key(model), keys.last_high_key(model), job_id, wait)
-    else:
-        pipe.rpush(keys.queue_key(model), job_id)
-    return job_id
+    lives = wait + options.failure_ttl
+    queue = keys.queue_key(model)
+    fields = [part for pair in job_hash(model, options, layout.utcformat(layout.utcnow())).items() for part in pair]
+    high = options.priority == "high"
+    send = pipe.execute_command  # SET, HSET, EXPIRE as redis-py's set(ex=), hset(mapping=), expire() send them
+    for frame, job_id in zip(frames, ids, strict=True):
+        job = keys.job_key(job_id)
+        send("SET", keys.request_key(model, job_id), frame_argument(frame), "EX", wait)
+        send("HSET", job, *fields)
+        send("EXPIRE", job, lives)
+        if high and by_eval:
+            add_enqueue_high_by_eval(pipe, model, job_id, options)
+        elif high:
+            pipe.fcall(redisfunctions.FUNCTION, 2, queue, keys.last_high_key(model), job_id, wait)
+    send("SADD", keys.RQ_QUEUES_SET, queue)
+    if not high:
+        for at in range(0, len(ids), PUSH_CHUNK):
+            send("RPUSH", queue, *ids[at : at + PUSH_CHUNK])
 
 
-#: Commands add_enqueue queues per job, and the index of the one that puts the job on its queue.
-COMMANDS_PER_JOB = 5
-QUEUE_COMMAND = 4
-#: RQ's queue registry (SADD) may fail without harm: the job is queued without it.
-OPTIONAL_COMMANDS = frozenset({3})
+#: Commands add_enqueues queues per job (high priority: one more, its FCALL or EVAL), before the
+#: batch's SADD (which may fail without harm: the jobs are queued without it) and RPUSHes.
+COMMANDS_PER_JOB = 3
 
 
-def enqueue_errors(results: list[Any]) -> list[tuple[int, Exception]]:
-    """(job index, error) for every job whose enqueue commands failed in the EXEC replies."""
-    failed = []
-    for i, reply in enumerate(results):
-        if isinstance(reply, Exception) and i % COMMANDS_PER_JOB not in OPTIONAL_COMMANDS:
-            failed.append((i // COMMANDS_PER_JOB, reply))
+def enqueue_errors(results: list[Any], count: int, options: JobOptions) -> list[tuple[int, Exception]]:
+    """(job index, error) for every job whose enqueue commands failed in the EXEC replies of
+    :func:`add_enqueues` of ``count`` jobs, by job: a failed RPUSH fails every job it carried."""
+    per_job = COMMANDS_PER_JOB + (options.priority == "high")
+    own = count * per_job
+    failed = [(i // per_job, reply) for i, reply in enumerate(results[:own]) if isinstance(reply, Exception)]
+    for chunk, reply in enumerate(results[own + 1 :]):
+        if isinstance(reply, Exception):
+            failed += [(i, reply) for i in range(chunk * PUSH_CHUNK, min(count, (chunk + 1) * PUSH_CHUNK))]
+    failed.sort(key=lambda found: found[0])  # stable: a job's own commands' errors before its RPUSH's
     return failed
 
 
@@ -187,12 +236,15 @@ def enqueue_errors(results: list[Any]) -> list[tuple[int, Exception]]:
 MAYBE_ENQUEUED = "if the connection dropped during the write they may have been enqueued"
 
 
-def split_failures(results: list[Any], ids: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
-    """From the EXEC replies of an enqueue of ``ids``: the jobs whose high-priority FCALL alone failed,
-    for want of ortq's Redis function (enqueue them by EVAL instead, in this order), and (id, error)
-    for every other job that failed (delete what went in of them, then raise :func:`enqueue_failure`)."""
+def split_failures(
+    results: list[Any], ids: list[str], options: JobOptions
+) -> tuple[list[str], list[tuple[str, Exception]]]:
+    """From the EXEC replies of an enqueue of ``ids`` (:func:`add_enqueues`): the jobs whose high-priority
+    FCALL alone failed, for want of ortq's Redis function (enqueue them by EVAL instead, in this order),
+    and (id, error) for every other job that failed (delete what went in of them, then raise
+    :func:`enqueue_failure`)."""
     errors: dict[str, list[Exception]] = {}
-    for index, exc in enqueue_errors(results):
+    for index, exc in enqueue_errors(results, len(ids), options):
         errors.setdefault(ids[index], []).append(exc)
     by_eval = [job_id for job_id, found in errors.items() if all(is_missing_function(e) for e in found)]
     broken = [

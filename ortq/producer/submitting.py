@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
-from uuid import uuid4
 
 import redis
 
@@ -36,7 +35,7 @@ def submit_many(
     (checks.job_options), before anything else."""
     signature = yield from lookups.checked_model(check, model, options.version)
     many = list(many_inputs)
-    nonces = [enqueue.new_nonce() for _ in many]
+    nonces = enqueue.new_nonces(len(many))
     size = settings.max_frame_bytes
     frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
     chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
@@ -82,7 +81,7 @@ def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list
         results = yield from _multi(model, frames, options, ids, True)
     if results is None:  # it ran, and its replies were lost: a MULTI goes in whole
         return ids
-    by_eval, broken = enqueue.split_failures(results, ids)
+    by_eval, broken = enqueue.split_failures(results, ids, options)
     if by_eval:
         again = yield Round(lambda pipe: _enqueues_high_by_eval(pipe, model, by_eval, options), transaction=False)
         broken += [(job_id, r) for job_id, r in zip(by_eval, again, strict=True) if isinstance(r, Exception)]
@@ -104,13 +103,15 @@ def _multi(
     connection means that it did not run, and it is sent once more; after a timeout it may still
     run (Redis was slow, not gone), so the timeout is raised. What is raised is the caller's to
     report (BrokerUnavailable: maybe enqueued)."""
+
+    def queue(pipe: Any) -> None:
+        enqueue.add_enqueues(pipe, model, frames, options, ids, by_eval)
+
     sends = 2
     while True:
         sends -= 1
         try:
-            replies: list[Any] = yield Round(
-                lambda pipe: _enqueues(pipe, model, frames, options, ids, by_eval), transaction=True, once=True
-            )
+            replies: list[Any] = yield Round(queue, transaction=True, once=True)
             return replies
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if (yield from _went_in(model, ids)):
@@ -203,12 +204,7 @@ def _unique_outcomes(model: str, ids: list[str], now: str) -> Steps[list[Any]]:
 
 
 def _new_ids(frames: list[bytes]) -> list[str]:
-    return [str(uuid4()) for _ in frames]
-
-
-def _enqueues(pipe: Any, model: str, frames: list[bytes], options: JobOptions, ids: list[str], by_eval: bool) -> None:
-    for frame, job_id in zip(frames, ids, strict=True):
-        enqueue.add_enqueue(pipe, model, frame, options, job_id, by_eval)
+    return enqueue.new_job_ids(len(frames))
 
 
 def _enqueues_high_by_eval(pipe: Any, model: str, ids: list[str], options: JobOptions) -> None:

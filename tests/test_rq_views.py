@@ -5,6 +5,8 @@ the records field by field). Marked ``rqcompat``: run under RQ 2.12 as well.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from rq.results import Result
 
 from ortq import keys
 from ortq.producer import Producer
+from ortq.rqcompat.layout import RQ_VERSION
 from ortq.rqjob import OrtqJob
 from ortq.serializer import MsgpackSerializer
 from tests import onnx_models
@@ -138,3 +141,33 @@ def test_same_fields_as_rq_own_worker(
         ours_in = connection.zscore(registry.format(keys.queue_name(model_name)), job.id) is not None
         theirs_in = connection.zscore(registry.format(reference_queue.name), reference.id) is not None
         assert ours_in == theirs_in, registry
+
+
+def test_rq_info_counts_a_batched_workers_jobs(
+    producer: Producer, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path,
+    connection: redis.Redis,
+) -> None:  # fmt: skip
+    """RQ's own monitor, ``rq info``, on jobs a batched worker answered (one start and one finish
+    script a batch): the queue empty, the finished and failed counts (RQ 3 prints them), the
+    worker idle on its queue."""
+    workers.serve(tiny_path, model_name, redis_url, 1, "--max-batch", "8", "--rows-independent")
+    jobs = producer.submit_many(model_name, [{"x": np.full((1, 4), i, np.float32)} for i in range(5)])
+    failing = Producer(redis_url, validate=False).submit(model_name, {"x": np.ones((1, 5), np.float32)})
+    for job in jobs:
+        job.result(timeout=20)
+    queue = keys.queue_name(model_name)
+    eventually(lambda: failing.id in FailedJobRegistry(queue, connection=connection).get_job_ids())
+
+    def rq_info(*options: str) -> str:
+        command = [sys.executable, "-m", "rq.cli", "info", "--raw", "--url", redis_url, *options]
+        command += ["--serializer", "ortq.serializer.MsgpackSerializer"]
+        return subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+
+    [line] = [line for line in rq_info("--only-queues").splitlines() if line.startswith(f"queue {queue} ")]
+    assert line.split()[2].rstrip(",") == "0", line  # nothing left queued
+    if RQ_VERSION >= (3, 0):  # RQ 2.12 prints the queue's length alone
+        assert "0 executing, 5 finished, 1 failed" in line, line
+    [worker] = [w for w in rq_info("--only-workers").splitlines() if w.startswith(f"worker {model_name}.")]
+    assert " idle " in worker and queue in worker, worker
+    if RQ_VERSION >= (3, 0):
+        assert worker.endswith("jobs: 5 finished, 1 failed"), worker

@@ -42,7 +42,7 @@ REPLY_PREFIX = PREFIX + "reply:"
 STAGE_PREFIX = PREFIX + "stage:"
 PARKED_PREFIX = PREFIX + "parked:"
 
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 def as_text(value: bytes | str) -> str:
@@ -52,7 +52,7 @@ def as_text(value: bytes | str) -> str:
 
 def check_model_name(name: str) -> str:
     """Return ``name`` if it can name a model (and so a queue), else raise ConfigurationError."""
-    if not isinstance(name, str) or not _MODEL_NAME.match(name):
+    if not isinstance(name, str) or not _MODEL_NAME.fullmatch(name):
         raise ConfigurationError(
             f"invalid model name {name!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
         )
@@ -61,7 +61,7 @@ def check_model_name(name: str) -> str:
 
 def check_version_name(version: object) -> str:
     """Return ``version`` if it can name a model's version, else raise ConfigurationError."""
-    if not isinstance(version, str) or not _MODEL_NAME.match(version):
+    if not isinstance(version, str) or not _MODEL_NAME.fullmatch(version):
         raise ConfigurationError(
             f"invalid model version {version!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
             "starting with a letter or digit"

@@ -212,3 +212,14 @@ def test_infer_takes_the_per_job_options_submit_takes(
         call("infer", model_name, x, 30, priority="urgent")
     with redis.Redis.from_url(redis_url) as connection:
         assert connection.llen(keys.queue_key(model_name)) == 0
+
+
+@pytest.mark.parametrize("name", ["digits\n", "digits\r\n", "\ndigits", "a" * 65, "", "-digits", "dig its"])
+def test_a_model_or_version_name_is_matched_whole(name: str) -> None:
+    """The whole name is checked (``fullmatch``): a pattern with ``$`` let a trailing newline through
+    into key names and log lines."""
+    with pytest.raises(ConfigurationError, match="invalid model name"):
+        keys.check_model_name(name)
+    with pytest.raises(ConfigurationError, match="invalid model version"):
+        keys.check_version_name(name)
+    assert keys.check_model_name("digits") == keys.check_version_name("digits") == "digits"

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, overload
 
 from ortq.errors import ConfigurationError
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 #: (name, value) pairs of strings, in the file's order: an env table, provider options.
 Env = tuple[tuple[str, str], ...]
@@ -104,7 +104,7 @@ class Table:
         pairs = []
         for name, value in table.data.items():
             table._read.add(name)
-            if not _ENV_NAME.match(name):
+            if not _ENV_NAME.fullmatch(name):
                 raise table.error(f"{name!r} is not an environment variable name")
             if name.upper() in reserved:
                 raise table.error(f"{name} cannot be set here: {reserved[name.upper()]}")

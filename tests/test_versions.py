@@ -10,6 +10,7 @@ import signal
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -28,6 +29,7 @@ from ortq.settings import Settings
 from ortq.worker.serve import file_version
 from tests import onnx_models
 from tests.conftest import Pool, WorkerProcesses, eventually
+from tests.test_fuzz import job_fields
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -279,3 +281,28 @@ def test_a_starting_worker_removes_the_signature_members_whose_record_expired(
     assert {model_name, f"{model_name}@v3", kept} <= members
     assert not set(expired) & members
     connection.srem(keys.SIGNATURES_SET, kept)
+
+
+@pytest.mark.parametrize("pin", [b"", b"v" * 65, b"v1/../v2"])
+def test_a_job_pinned_by_a_malformed_version_is_answered_invalid(
+    tiny_path: Path, model_name: str, redis_url: str, workers: WorkerProcesses, pin: bytes
+) -> None:
+    """A pin no ortq producer writes (empty, past 64 characters, outside the name's characters),
+    written raw: a worker serving a version takes it off the queue and answers InvalidJob, failed
+    in RQ's records; it was dropped unanswered, ``queued`` for ever."""
+    workers.serve(tiny_path, model_name, redis_url, 1, "--model-version", "v1")
+    connection = redis.Redis.from_url(redis_url)
+    job_id = str(uuid.uuid4())
+    with connection.pipeline(transaction=True) as pipe:
+        pipe.set(keys.request_key(model_name, job_id), wire.encode_request({"x": np.ones((1, 4), np.float32)}), ex=600)
+        pipe.hset(keys.job_key(job_id), mapping={**job_fields(model_name), b"ortq_version": pin})
+        pipe.rpush(keys.queue_key(model_name), job_id)
+        pipe.execute()
+    reply = keys.reply_key(model_name, job_id)
+    eventually(lambda: connection.exists(reply) == 1, 30)
+    [(_, fields)] = connection.xrange(reply)
+    error = wire.decode_response(fields[b"frame"]).error
+    assert error is not None and error.type == "InvalidJob" and "pins a version" in error.message, error
+    assert connection.hget(keys.job_key(job_id), "status") == b"failed"
+    assert connection.zscore(f"rq:failed:{keys.queue_name(model_name)}", job_id) is not None
+    assert not connection.exists(keys.request_key(model_name, job_id))

@@ -99,11 +99,12 @@ class Skipped:
 
     @property
     def answerable(self) -> bool:
-        """A job id whose job key is no hash: whoever waits on it is told why (``reject``). Nothing
-        else is written for a skipped entry: not for one that is no job id (no producer waits on
-        it, and a reply stream for each would let anyone fill Redis), nor for a record that is some
-        job's (answered, running, another model's)."""
-        return self.reason.startswith("type:")
+        """A job id whose job key is no hash, or whose hash pins a version by a name no producer
+        writes (``pin``: no worker would ever take it): whoever waits on it is told why
+        (``reject``). Nothing else is written for a skipped entry: not for one that is no job id
+        (no producer waits on it, and a reply stream for each would let anyone fill Redis), nor
+        for a record that is some job's (answered, running, another model's)."""
+        return self.reason.startswith("type:") or self.reason == "pin"
 
 
 @dataclass(slots=True)
@@ -385,9 +386,10 @@ class Book:
         return written
 
     def reject(self, skipped: Skipped, error: bytes, ttl: int) -> None:
-        """Answer ``error`` to a job id whose job key is no hash (Skipped.answerable), unless it
-        has been answered already, so that its producer learns why."""
-        self._call("reject", [self.queue.name, skipped.entry, error, ttl])
+        """Answer ``error`` to a skipped job that can be answered (Skipped.answerable), unless it
+        has been answered already, so that its producer learns why; a job hash is marked failed."""
+        moment = utcnow()
+        self._call("reject", [self.queue.name, skipped.entry, error, ttl, moment.timestamp(), utcformat(moment)])
 
     # ------------------------------------------------------------------ recovery and upkeep
 

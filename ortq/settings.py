@@ -275,10 +275,19 @@ def redis_message(exc: BaseException) -> str:
     text = str(exc)
     if text.startswith("Command # ") and _PIPELINE_NOTE in text:
         return text.rpartition(_PIPELINE_NOTE)[2]
+    if isinstance(exc, MasterNotFoundError) and " : " in text:
+        # redis-py lists each sentinel's error after the repr of its whole client (~1,200
+        # characters a sentinel); what each sentinel answered is its address and reason.
+        head = text.partition(" : ")[0]
+        reasons = [f"{where} {why}" for where, why in _SENTINEL_REFUSAL.findall(text)]
+        return f"{head}: " + ("; ".join(dict.fromkeys(reasons)) or "no sentinel answered")
     return text
 
 
 _PIPELINE_NOTE = ") of pipeline caused error: "
+#: One sentinel's connection error in redis-py's MasterNotFoundError: "Error 111 connecting to
+#: HOST:PORT. Connection refused." (a timeout: "Timeout connecting to server" names no address).
+_SENTINEL_REFUSAL = re.compile(r"connecting to (\S+?:\d+)\. ([^'\",]+?)\.?(?=['\",)]|$)")
 
 
 def describe_redis_error(exc: redis.RedisError) -> tuple[str, int]:

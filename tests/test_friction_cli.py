@@ -134,6 +134,24 @@ def test_infer_that_times_out_takes_its_job_off_the_queue_and_says_so(
     assert error.startswith("ortq: ResultTimeout: no result for job ") and "raise --timeout" in error
 
 
+def test_infer_that_times_out_on_a_running_job_says_it_was_stopped_on_its_worker(
+    redis_url: str, model_name: str, models_dir: Path, tmp_path: Path, workers: WorkerProcesses
+) -> None:
+    """The job ran past --timeout on a worker: the CLI says it asked that worker to stop it and
+    hints at --timeout, not that the job was taken off the queue or that no worker may serve it."""
+    slow = onnx_models.timed_slow_model(models_dir / "cli-slow-4s.onnx", 4.0)
+    workers.serve(slow, model_name, redis_url)
+    np.save(tmp_path / "x.npy", np.ones((1, 256), np.float32))
+    args = ("infer", model_name, "--input", f"x={tmp_path / 'x.npy'}", "--redis-url", redis_url)
+    late = invoke(*args, "--timeout", "1.5")
+    assert late.returncode == 1 and late.stdout == "", late.stderr
+    lines = late.stderr.splitlines()
+    assert any(re.fullmatch(r"job \S+: started \(\d+\.\d\d s\)", line) for line in lines), late.stderr
+    assert re.fullmatch(r"job \S+: was running: asked its worker to stop it \(\d+\.\d\d s\)", lines[-2]), late.stderr
+    assert "it was running when the timeout passed: raise --timeout" in lines[-1], late.stderr
+    assert "is a worker serving" not in late.stderr
+
+
 def test_bulk_infer_keeps_its_progress_bar_and_no_job_lines(
     workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, tmp_path: Path
 ) -> None:

@@ -111,11 +111,7 @@ def infer(
             inputs = cast_inputs(inputs, signature_for_cast(producer, model_name))
         elif (signature := producer.signature(model_name)) is not None:
             check_castable(inputs, signature)
-        try:
-            outputs = _infer_showing_progress(producer, model_name, inputs, timeout)
-        except ResultTimeout as exc:
-            hint = f"is a worker serving {model_name!r}? see ortq info; or raise --timeout"
-            raise ResultTimeout(f"{exc} ({hint})") from exc
+        outputs = _infer_showing_progress(producer, model_name, inputs, timeout)
     if output_path is not None:
         np.savez(output_path, **outputs)  # type: ignore[arg-type]
         click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
@@ -139,11 +135,21 @@ def _infer_showing_progress(
     watcher.start()
     try:
         outputs = job.result(timeout)
-    except ResultTimeout:
+    except ResultTimeout as exc:
         _stop(watcher, answered)
-        if job.cancel():  # as Producer.infer: no worker spends time on an answer nobody waits for
-            _say(job, "canceled, taken off the queue", began)
-        raise
+        try:
+            running = job.status() == "started"
+        except OrtqError:
+            running = False
+        # As Producer.infer: no worker spends time on an answer nobody waits for. A job that was
+        # running is stopped on its worker (it ran past the timeout: a worker serves the model).
+        if job.cancel():
+            _say(job, "was running: asked its worker to stop it" if running else "canceled, taken off the queue", began)
+        if running:
+            hint = "it was running when the timeout passed: raise --timeout"
+        else:
+            hint = f"is a worker serving {model!r}? see ortq info; or raise --timeout"
+        raise ResultTimeout(f"{exc} ({hint})") from exc
     except InferenceFailed:
         _stop(watcher, answered)
         _say(job, "failed", began)  # the error's own line follows

@@ -151,8 +151,13 @@ class LoadedModel:
     deadline: RunDeadline = field(default_factory=RunDeadline, repr=False, compare=False)
 
     def run_options(self) -> Any:
-        """A fresh ``onnxruntime.RunOptions`` (every run of the worker has one: a stop may end it)."""
-        return _run_options_class()()
+        """A fresh ``onnxruntime.RunOptions`` (every run of the worker has one: a stop may end it).
+        ONNX Runtime logs nothing of the run below FATAL: a stopped run (a cancel, a job timeout)
+        would print its raw, coloured "terminate flag" ERROR line into the worker's log, and any
+        error of a run reaches the worker as the exception it raises, with the same words."""
+        options = _run_options_class()()
+        options.log_severity_level = ORT_FATAL
+        return options
 
     def run(
         self, inputs: dict[str, np.ndarray], timeout: float | None = None, options: Any = None
@@ -181,6 +186,10 @@ class LoadedModel:
     def _run(self, inputs: dict[str, np.ndarray], run_options: Any) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, inputs, run_options)
         return dict(zip(self.output_names, values, strict=True))
+
+
+#: ONNX Runtime's severity levels: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
+ORT_FATAL = 4
 
 
 @cache

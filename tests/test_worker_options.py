@@ -37,6 +37,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_batch": (8, {"rows_independent": True}),
     "max_wait_ms": (2.5, {"max_batch": 4, "rows_independent": True}),
     "rows_independent": (True, {}),
+    "prefetch": (0, {}),
     "burst": (True, {}),
     "worker_name": ("m.box.7", {}),
     "metrics_port": (9107, {}),

@@ -88,6 +88,9 @@ class Intake:
         self._suspension_checked = -1.0
         #: The last start left jobs on the queue: the next take needs no BLMOVE (see take).
         self.backlog = False
+        #: Told each start script's round trip in seconds (the feeder's rule for taking ahead:
+        #: ortq.worker.overlap.Ahead).
+        self.on_round_trip: Callable[[float], None] = lambda seconds: None
 
     def take(self, block: bool) -> list[Taken] | None:
         """The next job and, batching, the jobs after it; [] when none came within one slice, and
@@ -156,9 +159,11 @@ class Intake:
                 pipe.getrange(keys.request_key(self.model, first_text), 0, limit)
 
         with self.starting:
+            sent = time.perf_counter()
             reply, moment, first_frame = self.book.start(first, more, min(limit, INLINE_FRAME_BYTES), read_first)
             if isinstance(reply, Exception):
                 raise reply
+            self.on_round_trip(time.perf_counter() - sent)
             started, skipped = self.book.parse_start(reply, moment)
             self.backlog = self.book.backlog(reply) > 0
             self.on_started(started)

@@ -64,7 +64,7 @@ from ortq.worker.batch import group, split
 from ortq.worker.beat import Beat
 from ortq.worker.devicelost import DeviceLostMatcher
 from ortq.worker.identity import WorkerIdentity
-from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, survive
+from ortq.worker.overlap import END, Feeder, Outcome, Replier, TakenBatch, Threads, hand_back, survive
 from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
@@ -88,13 +88,15 @@ class Worker:
         *,
         max_batch: int = 1,
         max_wait_ms: float = 0.0,
+        prefetch: int | None = None,
         burst: bool = False,
         device_lost_pattern: str | None = None,
         metrics: WorkerMetrics | None = None,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
         job_timeout: float | None = None,
     ) -> None:
-        """``stall_seconds``: a run lasting longer is taken as hung (ortq.worker.watchdog; 0:
+        """``prefetch``: batches taken ahead while one runs (ortq.worker.overlap.Ahead; None:
+        auto); ``stall_seconds``: a run lasting longer is taken as hung (ortq.worker.watchdog; 0:
         never); ``job_timeout``: seconds a run may take for jobs that set no timeout of their own."""
         self.model = model
         self.identity = identity
@@ -119,7 +121,7 @@ class Worker:
         self.stop_requested = threading.Event()
         self._beat_upkeep: Upkeep | None = None
         # The threads beside the main one (ortq.worker.overlap), each with its own connection.
-        self.threads = Threads(self.stop_requested)
+        self.threads = Threads(self.stop_requested, prefetch)
         self.feeder = Feeder(
             self.threads,
             settings,
@@ -201,14 +203,16 @@ class Worker:
         return status
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
-        """A warm stop: finish the batch in hand, unregister, exit 0. For a stop signal, with its
-        number (ortq.worker.signals: Kubernetes sends SIGTERM, and /ready answers 503 at once)."""
+        """A warm stop: finish the batch running, hand back those taken ahead (ortq.worker.overlap),
+        unregister, exit 0. For a stop signal, with its number (ortq.worker.signals: Kubernetes
+        sends SIGTERM, and /ready answers 503 at once)."""
         if self.stop_requested.is_set():
             log.warning("worker %s is already stopping; it finishes its current batch first", self.name)
         else:
             why = signal.Signals(signum).name if signum is not None else "stop requested"
-            log.info("%s: worker %s takes no more jobs, finishes the %d it holds, then unregisters and exits; "
-                     "/ready answers 503 from now", why, self.name, len(self.ledger.held()))  # fmt: skip
+            log.info("%s: worker %s takes no more jobs, finishes the batch it is running and hands back any taken "
+                     "ahead (%d job(s) held), then unregisters and exits; /ready answers 503 from now", why,
+                     self.name, len(self.ledger.held()))  # fmt: skip
         self.stop_requested.set()
         self._ready(False)
 
@@ -322,7 +326,15 @@ class Worker:
             if batch is END:
                 self._fed_out = True
                 return
+            if batch.ahead and self.stop_requested.is_set():  # taken ahead, not begun: back to the queue
+                try:
+                    hand_back(self.upkeep, self.presence, self.threads, [t.started for t in batch.taken])
+                finally:
+                    self.threads.done_with()
+                    self.threads.slots.release()
+                continue
             outcome = Outcome([t.started for t in batch.taken])
+            began = time.perf_counter()
             try:
                 self._check_and_run(batch, outcome)
                 unexpected = 0
@@ -340,6 +352,9 @@ class Worker:
                 # What was not answered stays started, and is taken back as this worker's own orphan.
                 unexpected = survive(self.stop_requested, exc, "running a batch", unexpected)
             finally:
+                # Before the slot is released: the feeder's next take goes by it (overlap.Ahead).
+                self.threads.ahead.ran(time.perf_counter() - began)
+                self.threads.done_with()
                 self.threads.slots.release()
                 idle = self.threads.batches.empty() and self.threads.replies.empty()
                 # Nothing to run next: answering here is sooner than waking the replier (on a

@@ -122,6 +122,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("rows_independent", "--rows-independent", Kind.FLAG, False,
            "Declare that each output row depends only on the same input row (needed by --max-batch: batching joins "
            "the rows of several jobs into one run).", "ORTQ_ROWS_INDEPENDENT"),
+    Option("prefetch", "--prefetch", Kind.INTEGER, None,
+           "Batches a worker takes ahead of time while it runs one (they show as started meanwhile, and go back to "
+           "the queue at a stop); 0: take the next only once the run in hand ends. Default: auto, which takes one "
+           "ahead (two while the queue has a backlog) only while the last run was short next to a take's round trip "
+           "to Redis (docs/design.md, 'Taking ahead').", "ORTQ_PREFETCH", minimum=0, metavar="N"),
     Option("burst", "--burst", Kind.FLAG, False, "Exit once the queue is empty.", "ORTQ_BURST"),
     Option("worker_name", "--worker-name", Kind.TEXT, None, "Name in Redis (default <model>.<host>.<pid>).",
            "ORTQ_WORKER_NAME", Level.NONE, pool_reason="the pool names its workers"),

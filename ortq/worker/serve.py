@@ -68,6 +68,9 @@ class WorkerConfig:
     #: The declaration batching needs: the model computes each row of its outputs from the same
     #: row of its inputs only, so that jobs sharing a run cannot read or change each other's rows.
     rows_independent: bool = DEFAULTS["rows_independent"]
+    #: Batches taken ahead of time while one runs (ortq.worker.overlap.Ahead); None: auto, only
+    #: while runs are short next to a take's round trip to Redis.
+    prefetch: int | None = DEFAULTS["prefetch"]
     #: Prometheus /metrics and /ready on this port (0: off), bound to metrics_host.
     metrics_port: int = DEFAULTS["metrics_port"]
     metrics_host: str = DEFAULTS["metrics_host"]
@@ -233,6 +236,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
             "provider_options": model.provider_options,
             "max_batch": config.max_batch,
             "max_wait_ms": config.max_wait_ms,
+            "prefetch": "auto" if config.prefetch is None else config.prefetch,
             "stall_seconds": config.stall_seconds,
             "job_timeout": config.job_timeout,
             "rq_results": settings.rq_results,
@@ -249,6 +253,7 @@ def build_worker(config: WorkerConfig, settings: Settings) -> Worker:
         name,
         max_batch=config.max_batch,
         max_wait_ms=config.max_wait_ms,
+        prefetch=config.prefetch,
         burst=config.burst,
         device_lost_pattern=config.device_lost_pattern,
         stall_seconds=config.stall_seconds,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import redis
 
 from ortq import keys, wire
 from ortq.errors import CorruptRecord
-from ortq.info import collect
+from ortq.info import MOST_SIGNATURE_BYTES, collect
 from ortq.producer import Producer
 from ortq.rqcompat import layout, records
 from ortq.rqcompat.book import Book
@@ -252,6 +253,30 @@ def test_the_models_are_found_without_the_signatures_set_or_with_junk_in_it(serv
     served.r.delete(keys.SIGNATURES_SET)
     assert found()[served.model] is not None  # by SCAN
     eventually(lambda: served.r.exists(keys.SIGNATURES_SET) == 1, BOUND)  # the next heartbeat writes it again
+
+
+def test_readers_hold_a_bounded_part_of_huge_signature_records(served: Served) -> None:
+    """Signature records of 1 MiB each (anyone with write access may write them): ortq info, the
+    exporter and the dashboard (collect) read each one only up to MOST_SIGNATURE_BYTES, a round of
+    them at a time, and show it as unreadable; one MGET of them all held every byte at once."""
+    names = [f"huge-{uuid.uuid4().hex[:8]}-{i}" for i in range(40)]
+    with served.r.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.set(keys.signature_key(name), b"{" + b" " * (1 << 20) + b"}", ex=300)
+        pipe.sadd(keys.SIGNATURES_SET, *names)
+        pipe.execute()
+    try:
+        tracemalloc.start()
+        shown = {m["model"]: m["signature"] for m in collect(served.r)["models"]}
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        served.r.srem(keys.SIGNATURES_SET, *names)
+        served.r.delete(*(keys.signature_key(name) for name in names))
+    assert all(name in shown and shown[name] is None for name in names)  # shown, as unreadable
+    assert shown[served.model] is not None
+    # 40 MiB of records, at most MOST_SIGNATURE_BYTES (+1) of each read: 2.5 MiB, and what parsing adds.
+    assert peak < 40 * MOST_SIGNATURE_BYTES + (1 << 20), peak
 
 
 def test_pruning_a_queues_workers_removes_the_dead_and_skips_what_no_worker_wrote(

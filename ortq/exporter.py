@@ -130,6 +130,12 @@ class QueueCollector(Collector):
         info = collect_shards({url: client}, self._shards, self._heartbeat_seconds)
         for warning in info["warnings"]:
             self._once(logging.WARNING, warning)
+        if info["skipped_queues"]:
+            self._once(
+                logging.WARNING,
+                f"{keys.RQ_QUEUES_SET} holds more queue names than a scrape looks at: the queues of names no worker or "
+                "signature gives may go unseen (ortq info says how many)",
+            )
         models: list[dict[str, Any]] = info["models"]
         return models, self._oldest_ages(client, [m["model"] for m in models])
 

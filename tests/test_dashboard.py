@@ -138,8 +138,8 @@ def test_ortq_page_shows_models_workers_queues_and_failures(scene: Scene) -> Non
     # Only a queue with jobs and no worker is a problem (red); an idle model without workers is not.
     assert fields[scene.waiting, None, "no_workers"] == "no workers: 2 jobs wait in the queue"
     assert '<p class="bad" data-field="no_workers">no workers: 2 jobs' in html
-    assert fields[scene.idle, None, "no_workers"] == "no workers"
-    assert '<p class="muted" data-field="no_workers">no workers</p>' in html
+    # A queue name in RQ's queue set with no job, worker or signature is no model (anyone may add one).
+    assert not any(key[0] == scene.idle for key in fields), fields
     assert '<meta http-equiv="refresh"' in html
     # Offline-safe: nothing is loaded from another host.
     assert "http://" not in html.replace(scene.redis_url, "") and "https://" not in html and "//cdn" not in html

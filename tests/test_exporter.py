@@ -251,6 +251,12 @@ def test_keys_of_the_wrong_type_do_not_break_a_scrape(
     assert exporter.stop() == 0
     assert f"{keys.queue_key(wrong)}: its head is no job id (ResponseError: WRONGTYPE" in exporter.text()
     assert f"{keys.queue_key(garbage)}: its head is no job id" in exporter.text()
+    # The Redis is shared with other tests' readers (rq-dashboard's queue list fails on a queue key
+    # that is no list): the forged records go.
+    wrong_keys = layout.QueueKeys.of(keys.queue_name(wrong))
+    connection.delete(wrong_keys.queue, wrong_keys.started, wrong_keys.failed, keys.worker_key("forged"))
+    connection.srem(keys.RQ_QUEUES_SET, wrong_keys.queue)
+    connection.srem(keys.WORKERS_SET, "forged")
 
 
 def test_a_port_in_use_is_a_configuration_error(tmp_path: Path, redis_url: str) -> None:

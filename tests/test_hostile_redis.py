@@ -28,7 +28,7 @@ import redis
 
 from ortq import keys, wire
 from ortq.errors import CorruptRecord
-from ortq.info import MOST_SIGNATURE_BYTES, collect
+from ortq.info import MOST_SIGNATURE_BYTES, collect, format_info
 from ortq.producer import Producer
 from ortq.rqcompat import layout, records
 from ortq.rqcompat.book import Book
@@ -253,6 +253,29 @@ def test_the_models_are_found_without_the_signatures_set_or_with_junk_in_it(serv
     served.r.delete(keys.SIGNATURES_SET)
     assert found()[served.model] is not None  # by SCAN
     eventually(lambda: served.r.exists(keys.SIGNATURES_SET) == 1, BOUND)  # the next heartbeat writes it again
+
+
+def test_junk_queue_names_do_not_become_models_and_are_said_to_be_skipped(served: Served) -> None:
+    """Producers may SADD any name to RQ's queue set: 10,000 names made 10,000 models (and 40,006
+    series a scrape). Only queues that a worker or signature names, or that have jobs waiting, are
+    models, a bounded number of the others is looked at, and ortq info says how many were not."""
+    unserved = f"unserved-{uuid.uuid4().hex[:8]}"  # enqueued for before any worker served it
+    served.r.rpush(keys.queue_key(unserved), "some-job")
+    junk = [keys.queue_key(f"junk-{uuid.uuid4().hex[:6]}-{i}") for i in range(10_000)]
+    try:
+        served.r.sadd(keys.RQ_QUEUES_SET, keys.queue_key(unserved))
+        info = collect(served.r)
+        shown = {m["model"] for m in info["models"]}
+        assert served.model in shown and unserved in shown and info["skipped_queues"] == 0
+        served.r.sadd(keys.RQ_QUEUES_SET, *junk)
+        info = collect(served.r)
+        shown = {m["model"] for m in info["models"]}
+        assert served.model in shown and not any(name.startswith("junk-") for name in shown)
+        assert info["skipped_queues"] >= 10_000 - 200, info["skipped_queues"]
+        assert f"note: {info['skipped_queues']} member(s) of RQ's queue set" in format_info(info)
+    finally:
+        served.r.srem(keys.RQ_QUEUES_SET, *junk, keys.queue_key(unserved))
+        served.r.delete(keys.queue_key(unserved))
 
 
 def test_readers_hold_a_bounded_part_of_huge_signature_records(served: Served) -> None:

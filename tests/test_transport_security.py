@@ -67,7 +67,8 @@ WORKER_RULES = (
     "+zadd +zrem +zscore +zmscore +zrange +zrangebyscore +zremrangebyscore +xadd +rename +subscribe +unsubscribe"
 )
 MONITOR_RULES = (
-    "resetchannels resetkeys -@all +ping +select +scan +type +get +mget +srandmember +hget +hmget +llen +zcard "
+    "resetchannels resetkeys -@all +ping +select +scan +type +get +getrange +mget +scard +srandmember "
+    "+hget +hmget +llen +zcard "
     "%R~ortq:signature:* %R~ortq:signatures %R~ortq:workers %R~ortq:worker:* %R~rq:worker:* %R~rq:queues "
     "%R~rq:queue:ortq:* %R~ortq:parked:* %R~rq:wip:ortq:* %R~rq:failed:ortq:* %R~rq:finished:ortq:*"
 )

@@ -50,6 +50,8 @@ class KnownHeader:
     data_end: int  # the data section's bytes its tensors need
     tensors: tuple[tuple[str, np.dtype[Any], int, int, tuple[int, ...]], ...]  # name, dtype, count, offset, shape
     traced: bool = False  # its options hold a traceparent before the nonce
+    #: An untraced header's key in KNOWN: its frames' bytes up to the nonce (b"" for a traced one).
+    key: bytes = b""
 
     def inputs(self, frame: bytes | bytearray) -> dict[str, np.ndarray]:
         """The tensors of ``frame`` (one known_frame found with this header): zero-copy views."""
@@ -77,11 +79,16 @@ class KnownHeader:
         return joined
 
 
-def known_frame(frame: object, max_bytes: int) -> tuple[KnownHeader, bytes] | None:
+def known_frame(frame: object, max_bytes: int, last: KnownHeader | None = None) -> tuple[KnownHeader, bytes] | None:
     """The remembered header of ``frame`` and its nonce, or None (for the full checks) when its
-    header is not one or anything else is off."""
+    header is not one or anything else is off. ``last``: the header the frame before it had (a
+    batch's frames mostly share one), tried first: a frame that starts with its key's bytes is
+    found with it, as it would be in KNOWN, without the key's slice and hash."""
     if not isinstance(frame, bytes | bytearray) or len(frame) > max_bytes:
         return None
+    if last is not None and last.key and frame.startswith(last.key) and last.data_start + last.data_end <= len(frame):
+        # Its key holds the header's length (bytes 4 to 8): the header ends where the key's does, plus the nonce.
+        return last, bytes(frame[len(last.key) : len(last.key) + NONCE_TAIL])
     end = PREFIX.size + int.from_bytes(frame[4:8], "little")
     known = KNOWN.get(bytes(frame[: end - NONCE_TAIL]))
     # A traced producer's header; its traceparent must be ASCII (what the full decode takes from any
@@ -137,7 +144,7 @@ def learn(frame: object, header: dict[str, Any], data: memoryview) -> KnownHeade
         KNOWN.clear()
     data_end = max((d["offset"] + d["nbytes"] for d in descriptors.values()), default=0)
     key = bytes(frame[: end - TRACED_TAIL]) + TRACED if traced else bytes(frame[: end - NONCE_TAIL])
-    known = KNOWN[key] = KnownHeader(len(frame) - len(data), data_end, tensors, traced)
+    known = KNOWN[key] = KnownHeader(len(frame) - len(data), data_end, tensors, traced, b"" if traced else key)
     return known
 
 

@@ -9,6 +9,7 @@ rows are in arrival order, so a producer's jobs keep their order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import TypeVar
 
 import numpy as np
@@ -79,7 +80,9 @@ def concat(many: Sequence[Tensors]) -> Tensors:
 
 
 def split(outputs: Tensors, sizes: Sequence[int]) -> list[Tensors]:
-    """Each job's rows of ``outputs``, as views (no copy)."""
+    """Each job's rows of ``outputs``, as views (no copy). Jobs of as many rows each (a producer's
+    jobs mostly are) get theirs by one reshape of each output to (jobs, rows, ...), whose rows numpy
+    lists as views; others by slicing at their rows' offsets."""
     total = sum(sizes)
     for name, value in outputs.items():
         if value.ndim == 0 or value.shape[0] != total:
@@ -87,8 +90,17 @@ def split(outputs: Tensors, sizes: Sequence[int]) -> list[Tensors]:
                 f"output {name!r} has shape {list(value.shape)} for a batch of {total} rows: "
                 "its first dimension is not the batch"
             )
-    per_job, start, named = [], 0, list(outputs.items())
-    for size in sizes:
-        per_job.append({name: value[start : start + size] for name, value in named})
-        start += size
+    n = len(sizes)
+    per_job: list[Tensors] = [{} for _ in range(n)]
+    if n and sizes.count(sizes[0]) == n:  # cutting dim 0 in two is a view, whatever the strides
+        size = sizes[0]
+        for name, value in outputs.items():
+            for mine, part in zip(per_job, value.reshape(n, size, *value.shape[1:]), strict=True):
+                mine[name] = part
+        return per_job
+    ends = list(accumulate(sizes))
+    bounds = [slice(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    for name, value in outputs.items():
+        for mine, rows in zip(per_job, bounds, strict=True):
+            mine[name] = value[rows]
     return per_job

@@ -97,9 +97,11 @@ def check(
     batch_wait: float,
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] | None = None,
     served: wire.Served | None = None,
+    last: knownheaders.KnownHeader | None = None,
 ) -> Pending | Failure:
     """Stage **check** for one job: decode and check its request for ``model``; its Failure when it is bad.
-    ``headers``: the verdicts of the batch's remembered headers so far (filled in here).
+    ``headers``: the verdicts of the batch's remembered headers so far (filled in here); ``last``:
+    the remembered header of the batch's job before (knownheaders.known_frame tries it first).
 
     The request is read first: its nonce makes the proof (wire.proof_of) that every answer below
     carries, errors about the job's record included, so that its producer can tell an answer to its
@@ -113,7 +115,7 @@ def check(
         frame = _request_frame(taken, job)
         t0 = time.perf_counter()
         limit = settings.max_frame_bytes
-        found = knownheaders.known_frame(frame, limit)
+        found = knownheaders.known_frame(frame, limit, last)
         if found is None:
             request, learned = wire.decode_request_in_full(frame, max_bytes=limit)  # remembers a producer's header
             nonce = request.nonce
@@ -218,14 +220,20 @@ def check_batch(
     batch_wait: float,
     served: wire.Served | None = None,
 ) -> tuple[list[Pending], list[Failure]]:
-    """Stage **check** for a batch: each job checked on its own, the good ones to run, the bad to fail."""
+    """Stage **check** for a batch: each job checked on its own, the good ones to run, the bad to
+    fail. What a remembered header's frames have in common is worked out once a batch: whether
+    they fit the model (``headers``), and the header itself, which the next frame is tried against
+    first (its bytes compared in place, not sliced and hashed: ``last``)."""
     pending: list[Pending] = []
     failures: list[Failure] = []
     headers: dict[knownheaders.KnownHeader, HeaderVerdict] = {}
+    last: knownheaders.KnownHeader | None = None
     for item in taken:
-        checked = check(item, model, signature, settings, batching, batch_wait, headers, served)
+        checked = check(item, model, signature, settings, batching, batch_wait, headers, served, last)
         if isinstance(checked, Pending):
             pending.append(checked)
+            if checked.known is not None:
+                last = checked.known
         else:
             failures.append(checked)
     return pending, failures

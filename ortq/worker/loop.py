@@ -17,7 +17,10 @@ answer     replier      ``Replier.answer``: finish.lua writes every reply, then 
 
 (reply first: nobody who has seen the response is told the job still runs). The feeder and the
 replier (ortq.worker.overlap) overlap Redis and the next batch's take with the run; the main
-thread alone calls ``session.run``, and answers a batch itself when nothing waits behind it.
+thread calls ``session.run``, and answers a batch itself when nothing waits behind it. One request
+at a time on an idle worker (the main thread has nothing in hand, the take left no backlog) is not
+handed over: the feeder runs stages check to answer itself (``Worker._run_alone``), and only while
+the main thread has no batch, so there is still one ``session.run`` at a time.
 
 Every job the worker holds leaves it exactly once: answered, handed on (put back on the queue by
 this worker) or released to the recovery of orphans, whatever fails on the way; the rule, and which
@@ -130,12 +133,14 @@ class Worker:
             max_batch,
             max_wait_ms / 1000,
             burst,
+            self._run_alone,
         )
         answering = self._book(settings.connect(check=False))
         self.replier = Replier(self.threads, settings, answering, self.presence, lambda: self.metrics)
         self.tracing = tracing.for_worker(identity.model, name)  # decided once; None: no tracing at all
         self._fed_out = False  # the feeder's END has been seen
         self._unanswered: list[StartedJob] = []  # the batch in hand when the device was lost
+        self._unexpected = 0  # errors in a row running batches that neither Redis nor a job explains
 
     def _book(self, connection: redis.Redis) -> Book:
         """The scripts on ``connection``, for this worker and queue."""
@@ -264,7 +269,9 @@ class Worker:
         self._ready(False)
         # The feeder first ends its take (a BLMOVE in flight would pop a job requeued below), so
         # that what it took is held, and handed on with the rest.
-        self.feeder.thread.join(self.feeder.intake.slice + self.settings.socket_timeout)
+        # (Not when the feeder is the thread stuck in the run: one request at a time, Feeder._alone.)
+        if not self.threads.running_alone:
+            self.feeder.thread.join(self.feeder.intake.slice + self.settings.socket_timeout)
         why = f"worker {self.name}'s run stalled (no run ended for {lasted:.0f} s)"
         hand_on(self._upkeep_on(connection), self.ledger, self.ledger.jobs(), why, patience=10.0)
         self.presence.unregister(connection)
@@ -317,7 +324,6 @@ class Worker:
             raise threads.fatal
 
     def _run_batches(self) -> None:
-        unexpected = 0  # errors in a row that neither Redis nor a job explains
         while True:
             try:
                 batch = self.threads.batches.get(timeout=0.5)  # a timeout: signals get their turn
@@ -334,26 +340,9 @@ class Worker:
                     self.threads.slots.release()
                 continue
             outcome = Outcome([t.started for t in batch.taken])
-            began = time.perf_counter()
             try:
-                self._check_and_run(batch, outcome)
-                unexpected = 0
-            except DeviceLost:
-                # From now on the feeder gives back what it takes; this batch's unanswered jobs stay
-                # held (not taken back as orphans meanwhile) until _loop gives them back.
-                self.threads.device_lost.set()
-                self.stop_requested.set()
-                answered = [c.member.started for c in outcome.computed] + [f.started for f in outcome.failures]
-                ids = {job.execution_id for job in answered}
-                self._unanswered = [t.started for t in batch.taken if t.started.execution_id not in ids]
-                outcome.held = answered
-                raise
-            except Exception as exc:
-                # What was not answered stays started, and is taken back as this worker's own orphan.
-                unexpected = survive(self.stop_requested, exc, "running a batch", unexpected)
+                self._run_batch(batch, outcome)
             finally:
-                # Before the slot is released: the feeder's next take goes by it (overlap.Ahead).
-                self.threads.ahead.ran(time.perf_counter() - began)
                 self.threads.done_with()
                 self.threads.slots.release()
                 idle = self.threads.batches.empty() and self.threads.replies.empty()
@@ -362,6 +351,44 @@ class Worker:
                 # replier's work is done here too.
                 if idle or not self.threads.reply_later(outcome):
                     self.replier.answer(outcome, self.upkeep.book)
+
+    def _run_alone(self, batch: TakenBatch, book: Book) -> None:
+        """A batch the feeder took for an idle worker (ortq.worker.overlap.Feeder._alone), checked,
+        run and answered (through ``book``, the feeder's) on the feeder's thread: no hand-over.
+        Raises what ends the worker (DeviceLost, errors in a row), as the main thread's loop does."""
+        outcome = Outcome([t.started for t in batch.taken])
+        try:
+            self._run_batch(batch, outcome)
+        except DeviceLost as exc:
+            log.critical("%s; requeueing this worker's jobs and exiting with status %d", exc, EXIT_DEVICE_LOST)
+            raise
+        finally:
+            self.replier.answer(outcome, book)
+
+    def _run_batch(self, batch: TakenBatch, outcome: Outcome) -> None:
+        """Check and run ``batch`` into ``outcome``, on whichever thread has it (one at a time:
+        the feeder runs one only while the main thread has none in hand). Raises DeviceLost, and
+        an unexpected error once MAX_UNEXPECTED came in a row; ``outcome`` is answered after."""
+        began = time.perf_counter()
+        try:
+            self._check_and_run(batch, outcome)
+            self._unexpected = 0
+        except DeviceLost:
+            # From now on the feeder gives back what it takes; this batch's unanswered jobs stay
+            # held (not taken back as orphans meanwhile) until _loop gives them back.
+            self.threads.device_lost.set()
+            self.stop_requested.set()
+            answered = [c.member.started for c in outcome.computed] + [f.started for f in outcome.failures]
+            ids = {job.execution_id for job in answered}
+            self._unanswered = [t.started for t in batch.taken if t.started.execution_id not in ids]
+            outcome.held = answered
+            raise
+        except Exception as exc:
+            # What was not answered stays started, and is taken back as this worker's own orphan.
+            self._unexpected = survive(self.stop_requested, exc, "running a batch", self._unexpected)
+        finally:
+            # Before the slot is released: the feeder's next take goes by it (overlap.Ahead).
+            self.threads.ahead.ran(time.perf_counter() - began)
 
     def _check_and_run(self, batch: TakenBatch, outcome: Outcome) -> None:
         """Stages **check**, **group**, **run** and **split** for a batch (the replier encodes and answers)."""

@@ -1,7 +1,11 @@
 """The two threads that keep the session busy: while the main thread checks and runs a batch (ONNX
 Runtime releases the GIL in ``Run``), the **feeder** already takes and reads the next one, and the
 **replier** encodes the previous one's answers and writes them. Only the main thread calls
-``Run``: still one session, one ``Run`` at a time. The main thread checks each batch (decode, the
+``Run``, except for one request at a time on an idle worker (``Feeder._alone``): the feeder runs
+the batch it took itself, stages check to answer, when the main thread has none in hand and the
+take left no backlog (no other batch to overlap it with), sparing a hand-over (a thread's wake-up,
+~0.1-0.2 ms on a loaded machine); the first take that leaves a backlog goes back to the overlap.
+Still one session, one ``Run`` at a time. The main thread checks each batch (decode, the
 model's signature) itself: the feeder then spends its time in Redis round trips, and its start
 script is on its way while the main thread still works on the batch before (under the GIL, one
 thread computes at a time).
@@ -19,7 +23,8 @@ so a job taken back from this worker meanwhile is answered once all the same.
 A stop (SIGTERM, RQ's shutdown command, a thread's death) hands the batches taken ahead (handed
 over while the main thread had another) and not begun back to the queue at once (the feeder as soon
 as it sees the stop, the main thread for one it gets after it), and the main thread finishes only
-the batch it is running, or the one taken for it while it was idle. A thread that dies
+the batch it is running, or the one taken for it while it was idle (or the feeder the one it
+runs itself). A thread that dies
 ends the worker: the replier's makes the main thread answer what is left itself, then end (exit
 status 1; the pool starts a fresh process).
 """
@@ -187,12 +192,23 @@ class Threads:
         self.device_lost = threading.Event()
         #: Set when the replier thread has died: nothing handed to it would be answered.
         self.replier_dead = threading.Event()
+        #: Batches handed to the main thread, and batches the feeder ran and answered itself (one
+        #: request at a time on an idle worker: Feeder._alone), counted for tests and benches.
+        self.handed, self.ran_alone = 0, 0
+        #: The feeder is checking, running or answering a batch itself (the main thread has none).
+        self.running_alone = False
 
     def handed_over(self) -> bool:
         """Count a batch handed to the main thread; True when it is taken ahead (another is in hand)."""
         with self._in_hand_lock:
             self._in_hand += 1
+            self.handed += 1
             return self._in_hand > 1
+
+    def main_idle(self) -> bool:
+        """Whether the main thread has no batch in hand (none waiting, none being checked or run)."""
+        with self._in_hand_lock:
+            return self._in_hand == 0
 
     def done_with(self) -> None:
         """The main thread has run a batch handed over (or handed it back)."""
@@ -272,8 +288,12 @@ class Feeder:
         max_batch: int,
         max_wait: float,
         burst: bool,
+        run_alone: Callable[[TakenBatch, Book], None] | None = None,
     ) -> None:
+        """``run_alone``: checks, runs and answers a batch on the calling thread (the worker's;
+        None: every batch goes to the main thread)."""
         self.threads = threads
+        self.run_alone = run_alone
         self.connection = book.connection
         released = lambda jobs: presence.ledger.leave(jobs, Left.RELEASED)  # noqa: E731
         self.intake = Intake(
@@ -357,7 +377,9 @@ class Feeder:
                     return
                 threads.stop.wait(0.01)  # what is in hand may still put a retry back on the queue
                 continue
-            if taken:
+            if taken and self._alone():
+                self._run_alone(taken)
+            elif taken:
                 self._hand_over(taken)
             else:  # nothing came within a slice: the runs before say nothing of the next jobs
                 threads.ahead.forget()
@@ -374,6 +396,31 @@ class Feeder:
         if not held:
             self.presence.set_state(self.connection, "idle")  # start.lua writes "busy"
         return self.intake.take(block=not self.burst)  # what it starts, it holds (Presence.hold)
+
+    def _alone(self) -> bool:
+        """Whether the batch just taken is run here, not handed over: one request at a time on an
+        idle worker (the main thread has nothing in hand and the take left no backlog). Handing it
+        over would cost a thread's wake-up (~0.1-0.2 ms on a loaded machine) and gain nothing: no
+        other batch is there to overlap it with. A take that leaves a backlog goes back to the
+        overlap (the next batch is taken while this one runs), and so does ``--prefetch`` N > 0
+        (N batches taken ahead whatever the runs)."""
+        threads = self.threads
+        if self.run_alone is None or self.intake.backlog or (threads.ahead.prefetch or 0) > 0:
+            return False
+        return not threads.device_lost.is_set() and threads.main_idle()
+
+    def _run_alone(self, taken: list[Taken]) -> None:
+        """Stages **check** to **answer** of a batch on this thread (the main thread waits for the
+        next one it is handed). What it raises ends the worker (DeviceLost, errors in a row)."""
+        assert self.run_alone is not None
+        threads = self.threads
+        threads.ran_alone += 1
+        threads.running_alone = True
+        try:
+            self.run_alone(TakenBatch(taken, self.intake.batch_wait), self.intake.book)
+        finally:
+            threads.running_alone = False
+            threads.slots.release()
 
     def _hand_over(self, taken: list[Taken]) -> None:
         """Hands a batch to the main thread, which checks and runs it; taken as the GPU went away, it

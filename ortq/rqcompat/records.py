@@ -27,7 +27,7 @@ log = logging.getLogger("ortq.worker")
 class BeatPositions:
     """Where a heartbeat's replies are among its pipeline's results (``queue_heartbeat``)."""
 
-    worker: int  # the worker hash's HSET of last_heartbeat
+    worker: int  # the worker hash's HSET of last_heartbeat (then its HEXISTS of birth)
     job_hashes: tuple[int, ...]  # each running job's HSET of last_heartbeat, in order
     sets: int  # the first of the two SADDs to RQ's sets of workers
 
@@ -101,6 +101,9 @@ class WorkerRecords:
         worker = len(pipe)
         job_hashes = []
         pipe.hset(self.key, "last_heartbeat", stamp)
+        # A hash without its birth was made by a script's HSET of state after the worker's hash had
+        # gone (a Redis that restarted empty, an expiry): RQ's tools would show it without a state.
+        pipe.hexists(self.key, "birth")
         pipe.expire(self.key, self.ttl)
         if layout.RQ3 and self.executions:
             pipe.expire(self.executions_key, self.ttl)
@@ -116,14 +119,21 @@ class WorkerRecords:
         return BeatPositions(worker, tuple(job_hashes), sets)
 
     def after_heartbeat(
-        self, connection: redis.Redis, results: Sequence[Any], at: BeatPositions, running: Sequence[StartedJob]
+        self,
+        connection: redis.Redis,
+        results: Sequence[Any],
+        at: BeatPositions,
+        running: Sequence[StartedJob],
+        state: str | None = None,
     ) -> None:
         """What RQ's ``maintain_heartbeats`` does after its pipeline: an HSET that created a hash
         means the hash had expired or been deleted. A job's hash made that way is deleted again;
-        the worker's own is written whole again, with its TTL."""
+        the worker's own is written whole again, with its TTL and ``state`` (the worker's now),
+        also where a script had made it again with only its state."""
         stale_jobs = [job.job_id for job, i in zip(running, at.job_hashes, strict=True) if results[i] == 1]
         # An error: the worker's key holds something else (written by someone else): it is replaced.
-        recreated = results[at.worker] == 1 or isinstance(results[at.worker], Exception)
+        created, born = results[at.worker], results[at.worker + 1]
+        recreated = created == 1 or born == 0 or isinstance(created, Exception)
         if any(isinstance(r, Exception) for r in results[at.sets : at.sets + 2]):
             self.register(connection)  # replaces a set of the wrong type
         if not stale_jobs and not recreated:
@@ -135,6 +145,8 @@ class WorkerRecords:
                 pipe.delete(self.key)
                 pipe.hset(self.key, mapping=self._birth_fields())
                 pipe.hset(self.key, "last_heartbeat", utcformat(utcnow()))
+                if state is not None:
+                    pipe.hset(self.key, "state", state)
                 pipe.expire(self.key, self.ttl)
             pipe.execute()
         if recreated:

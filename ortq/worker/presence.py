@@ -118,7 +118,7 @@ class Presence:
             self._queue_signatures(pipe, current=False)
             pipe.type(keys.signature_key(self.identity.model))
             results = pipe.execute(raise_on_error=False)
-        self.records.after_heartbeat(connection, results, positions, running)
+        self.records.after_heartbeat(connection, results, positions, running, self.state)
         replies = results[asked : asked + len(running)]
         stops = _stopped(running, replies)
         if results[-1] not in (b"string", "string"):  # another type there: the NX write cannot replace it

@@ -23,7 +23,13 @@ class UnknownModel(ConfigurationError):
 
 
 class WireFormatError(OrtqError):
-    """Bytes that are not a valid ortq frame: garbage, truncated, wrong version or inconsistent header."""
+    """Bytes that are not a valid ortq frame: garbage, truncated, wrong version or inconsistent header.
+    ``plain``: what is wrong in fixed words, nothing quoted from the frame (None: not said), which a
+    worker may put in an unproven answer (docs/wire-format.md, 4.3)."""
+
+    def __init__(self, message: str, plain: str | None = None) -> None:
+        super().__init__(message)
+        self.plain = plain
 
 
 class PayloadTooLarge(WireFormatError):

@@ -239,7 +239,9 @@ def decode_request_in_full(
     header, data = _parse(frame, max_bytes, "request")
     options = header.get("options", {})
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
-        raise WireFormatError("header 'options' must be a map with string keys")
+        raise WireFormatError(
+            "header 'options' must be a map with string keys", "header 'options' is not a map with string keys"
+        )
     _check_nonce(options.get("nonce"), "options 'nonce'")
     request = Request(inputs=_read_tensors(header, "inputs", data), options=options)
     return request, knownheaders.learn(frame, header, data)
@@ -285,7 +287,10 @@ def _check_nonce(value: object, where: str) -> bytes | None:
     if value is None:
         return None
     if not isinstance(value, bytes) or not NONCE_BYTES[0] <= len(value) <= NONCE_BYTES[1]:
-        _fail(f"header {where} must be {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes (msgpack bin), got {_short(value)}")
+        _fail(
+            f"header {where} must be {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes (msgpack bin), got {_short(value)}",
+            f"the nonce is not {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes (msgpack bin)",
+        )
     return value
 
 
@@ -338,21 +343,27 @@ def _parse(frame: bytes | bytearray | memoryview, max_bytes: int, kind: str) -> 
     if view.nbytes > max_bytes:
         raise PayloadTooLarge(f"frame is {view.nbytes} bytes; the limit is {max_bytes}")
     if view[:4] != MAGIC[: len(view[:4])]:
-        _fail("not an ortq frame (bad magic)")
+        _fail("not an ortq frame (bad magic)", "not an ortq frame (bad magic)")
     if view.nbytes < _PREFIX.size:
-        _fail(f"truncated frame: {view.nbytes} bytes, shorter than the 8-byte prefix")
+        _fail(f"truncated frame: {view.nbytes} bytes, shorter than the 8-byte prefix", "truncated frame")
     size = _PREFIX.unpack_from(view)[1]
     data_start = _PREFIX.size + size + (-(_PREFIX.size + size) % _ALIGN)
     if data_start > view.nbytes:
-        _fail(f"truncated frame: header length {size} needs {data_start} bytes, frame has {view.nbytes}")
+        _fail(
+            f"truncated frame: header length {size} needs {data_start} bytes, frame has {view.nbytes}",
+            "truncated frame",
+        )
     if size > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"frame header is {size} bytes; the limit is {MAX_HEADER_BYTES}")
     header = _unpack_header(view[_PREFIX.size : _PREFIX.size + size])
     version = header.get("v")
     if version != WIRE_VERSION or not _is_int(version):
-        _fail(f"unsupported wire version {_short(version)}; this decoder supports version {WIRE_VERSION}")
+        _fail(
+            f"unsupported wire version {_short(version)}; this decoder supports version {WIRE_VERSION}",
+            f"unsupported wire version (this worker reads version {WIRE_VERSION})",
+        )
     if header.get("kind") != kind:
-        _fail(f"expected a {kind} frame, got kind {_short(header.get('kind'))}")
+        _fail(f"expected a {kind} frame, got kind {_short(header.get('kind'))}", f"not a {kind} frame (its kind)")
     return header, view[data_start:]
 
 
@@ -376,14 +387,14 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
             object_pairs_hook=_map_without_duplicates,
         )
     except msgpack.ExtraData:
-        _fail("header holds more than one msgpack object")
+        _fail("header holds more than one msgpack object", "header holds more than one msgpack object")
     except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, UnicodeDecodeError...
         # unpackb reports running out of data only through this message; anything else is garbage.
         if "incomplete input" in str(exc):
-            _fail("truncated header: msgpack data ends early")
-        _fail(f"header is not valid msgpack: {type(exc).__name__}: {str(exc)[:120]}")
+            _fail("truncated header: msgpack data ends early", "truncated header")
+        _fail(f"header is not valid msgpack: {type(exc).__name__}: {str(exc)[:120]}", "header is not valid msgpack")
     if not isinstance(header, dict):
-        _fail(f"header must be a msgpack map, got {type(header).__name__}")
+        _fail(f"header must be a msgpack map, got {type(header).__name__}", "header is not a msgpack map")
     return header
 
 
@@ -391,12 +402,15 @@ def _read_tensors(header: dict[str, Any], key: str, data: memoryview) -> dict[st
     """Zero-copy views into ``data`` for the descriptor map ``header[key]``, each fully validated."""
     descriptors = header.get(key)
     if not isinstance(descriptors, dict):
-        _fail(f"header {key!r} must be a map of tensor descriptors, got {type(descriptors).__name__}")
+        _fail(
+            f"header {key!r} must be a map of tensor descriptors, got {type(descriptors).__name__}",
+            f"header {key!r} is not a map of tensor descriptors",
+        )
     arrays: dict[str, NDArray[Any]] = {}
     for name, desc in descriptors.items():
         where = _Where(name, key)  # formatted only for an error message
         if not isinstance(name, str) or not name:
-            _fail(f"{where}: tensor names must be non-empty strings")
+            _fail(f"{where}: tensor names must be non-empty strings", "a tensor name is not a non-empty string")
         arrays[name] = _read_tensor(where, desc, data)
     return arrays
 
@@ -405,26 +419,44 @@ def _read_tensor(where: _Where, desc: object, data: memoryview) -> NDArray[Any]:
     """A zero-copy view into ``data`` for one tensor's descriptor ``desc``, each of its fields
     checked against the format, and its bytes against the data section, first."""
     if not isinstance(desc, dict):
-        _fail(f"{where}: descriptor must be a map, got {type(desc).__name__}")
+        _fail(f"{where}: descriptor must be a map, got {type(desc).__name__}", "a tensor descriptor is not a map")
     dtype, shape, offset, nbytes = (desc.get(k) for k in ("dtype", "shape", "offset", "nbytes"))
     if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
-        _fail(f"{where}: dtype {_short(dtype)} is not one of {', '.join(SUPPORTED_DTYPES)}")
+        _fail(
+            f"{where}: dtype {_short(dtype)} is not one of {', '.join(SUPPORTED_DTYPES)}",
+            "a tensor's dtype is not one the format has",
+        )
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        _fail(f"{where}: shape must be a list of at most {MAX_DIMS} dims, got {_short(shape)}")
+        _fail(
+            f"{where}: shape must be a list of at most {MAX_DIMS} dims, got {_short(shape)}",
+            f"a tensor's shape is not a list of at most {MAX_DIMS} dims",
+        )
     if not all(_is_int(d) and d >= 0 for d in shape):
-        _fail(f"{where}: shape entries must be non-negative integers, got {_short(shape)}")
+        _fail(
+            f"{where}: shape entries must be non-negative integers, got {_short(shape)}",
+            "a tensor's shape holds something other than non-negative integers",
+        )
     if not _is_int(offset) or not _is_int(nbytes) or offset < 0:
-        _fail(f"{where}: offset and nbytes must be integers, offset >= 0")
+        _fail(
+            f"{where}: offset and nbytes must be integers, offset >= 0",
+            "a tensor's offset or nbytes is not a valid integer",
+        )
     wire = _WIRE_DTYPES[dtype]
     count = prod(shape)  # Python ints: a hostile shape cannot overflow
     if count * wire.itemsize != nbytes:
         needed = count * wire.itemsize
-        _fail(f"{where}: declared shape {_short(shape)} needs {needed} bytes but nbytes is {nbytes}")
+        _fail(
+            f"{where}: declared shape {_short(shape)} needs {needed} bytes but nbytes is {nbytes}",
+            "a tensor's shape and nbytes disagree",
+        )
     # numpy refuses shapes whose non-zero dims multiply past the address space, even when empty.
     if prod(max(d, 1) for d in shape) * wire.itemsize > sys.maxsize:
-        _fail(f"{where}: shape {_short(shape)} is too large")
+        _fail(f"{where}: shape {_short(shape)} is too large", "a tensor's shape is too large")
     if offset + nbytes > len(data):
-        _fail(f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)")
+        _fail(
+            f"{where}: bytes {offset}..{offset + nbytes} lie past the data section ({len(data)} bytes)",
+            "a tensor's bytes lie past the data section",
+        )
     return np.frombuffer(data, dtype=wire, count=count, offset=offset).reshape(shape)
 
 
@@ -473,6 +505,7 @@ def _reject_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack extension type {code} is not allowed in a header")
 
 
-def _fail(message: str) -> NoReturn:
-    """Raise WireFormatError; a function so every validation branch is one line."""
-    raise WireFormatError(message)
+def _fail(message: str, plain: str | None = None) -> NoReturn:
+    """Raise WireFormatError (``plain``: the same in fixed words, nothing of the frame quoted); a
+    function so every validation branch is one line."""
+    raise WireFormatError(message, plain)

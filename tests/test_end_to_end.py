@@ -151,13 +151,17 @@ def test_worker_survives_bad_jobs_and_then_serves(
     workers.serve(tiny_path, model_name, redis_url)
     unchecked = Producer(settings=Settings.from_url(redis_url), validate=False)
     good = np.arange(8, dtype=np.float32).reshape(2, 4)
+    mistyped = encode_request({"x": good}).replace(b"float32", b"floaty!", 1)  # as long: offsets hold
 
     failing = {
         "wrong name": (unchecked.submit(model_name, {"nope": good}), "InvalidInput", "missing ['x']"),
         "wrong dtype": (unchecked.submit(model_name, {"x": good.astype(np.int32)}), "InvalidInput", "dtype int32"),
         "wrong shape": (unchecked.submit(model_name, {"x": good.reshape(8)}), "InvalidInput", "rank 1"),
         "garbage": (unchecked.job(_enqueue_raw(connection, model_name, b"\x00garbage" * 9), model_name),
-                    "WireFormatError", "does not decode"),
+                    "WireFormatError", "does not decode as an ortq request: not an ortq frame (bad magic)"),
+        # A header value the decoder's own message would quote: the answer says what, not the value.
+        "bad dtype": (unchecked.job(_enqueue_raw(connection, model_name, mistyped), model_name),
+                      "WireFormatError", "request: a tensor's dtype is not one the format has"),
     }  # fmt: skip
     # A job hash naming another callable, written straight into Redis as an attacker would.
     data = MsgpackSerializer.dumps(["tests.canary.tripwire", None, [], {}])
@@ -170,6 +174,7 @@ def test_worker_survives_bad_jobs_and_then_serves(
             job.result(timeout=20)
         assert caught.value.remote_type == error_type, what
         assert message in caught.value.remote_message, (what, caught.value.remote_message)
+        assert "floaty" not in caught.value.remote_message, what  # nothing of the frame quoted
         assert job.status() == "failed", what
         failed_registry = f"rq:failed:{keys.queue_name(model_name)}"
         eventually(lambda job=job, key=failed_registry: connection.zscore(key, job.id) is not None)

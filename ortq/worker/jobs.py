@@ -264,7 +264,9 @@ def failure(
         retry = Retry(job.retries_left - 1, time.time() + wait if wait else None, ttl)
     reason = f"{error_type}: {message}"
     if proof is None and type(exc) is WireFormatError:  # its message quotes the frame: anyone's bytes
-        message = "the request frame does not decode as an ortq request (why: RQ's failure record, the worker's log)"
+        # What is wrong, in the decoder's fixed words only (its own message: RQ's record, the log).
+        said = f": {exc.plain}" if exc.plain else " (why: RQ's failure record, the worker's log)"
+        message = f"the request frame does not decode as an ortq request{said}"
     error = wire.encode_error(error_type, message, timings, proof, served)
     status = "stopped" if isinstance(exc, JobStopped) else "failed"
     ttl = ttl_of(job.failure_ttl, settings.failure_ttl)

@@ -110,6 +110,9 @@ class ModelSignature:
     #: The version of the model this is the signature of, as its published record says (None: a
     #: record from workers before model versions, or a signature read from a model file).
     version: str | None = field(default=None, compare=False)
+    #: The largest request frame the worker that published the record reads (its max_frame_bytes;
+    #: None: a record from workers before it was published, or a signature read from a model file).
+    max_frame_bytes: int | None = field(default=None, compare=False)
 
     @cached_property
     def digest(self) -> str:
@@ -153,11 +156,15 @@ class ModelSignature:
         version = obj.get("version")
         if version is not None and not (isinstance(version, str) and 0 < len(version) <= 64):
             raise WireFormatError(f"malformed model signature record: version {str(version)[:80]!r}")
+        limit = obj.get("max_frame_bytes")
+        if limit is not None and not (type(limit) is int and limit > 0):
+            raise WireFormatError(f"malformed model signature record: max_frame_bytes {str(limit)[:80]!r}")
         try:
             return cls(
                 inputs=tuple(TensorSpec.from_json(spec) for spec in obj["inputs"]),
                 outputs=tuple(TensorSpec.from_json(spec) for spec in obj["outputs"]),
                 version=version,
+                max_frame_bytes=limit,
             )
         except (KeyError, TypeError) as exc:
             raise WireFormatError(f"malformed model signature record: {exc!r}") from exc

@@ -144,7 +144,8 @@ def encode_job(inputs: object, signature: ModelSignature | None, nonce: bytes, m
     frame = wire.encode_request(arrays, tracing.request_options(nonce))  # the nonce, after any trace context
     if len(frame) > max_bytes:
         raise PayloadTooLarge(
-            f"the request is {len(frame)} bytes, over max_frame_bytes ({max_bytes}): workers would refuse it"
+            f"the request is {len(frame)} bytes, over max_frame_bytes ({max_bytes}, the smaller of this "
+            "producer's and the one the model's workers publish): workers would refuse it"
         )
     return frame
 

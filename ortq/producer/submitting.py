@@ -36,7 +36,11 @@ def submit_many(
     signature = yield from lookups.checked_model(check, model, options.version)
     many = list(many_inputs)
     nonces = enqueue.new_nonces(len(many))
+    # The smaller of the producer's limit and the one the model's workers publish: a larger frame
+    # would be refused by the worker, after a round trip and a job's records.
     size = settings.max_frame_bytes
+    if signature is not None and signature.max_frame_bytes is not None:
+        size = min(size, signature.max_frame_bytes)
     frames = [checks.encode_job(inputs, signature, nonce, size) for inputs, nonce in zip(many, nonces, strict=True)]
     chosen = None if job_ids is None else enqueue.check_job_ids(job_ids, len(frames))
     if not frames:

@@ -50,6 +50,7 @@ class Presence:
             "protocol": keys.PROTOCOL,
             "version": identity.version,
             "digest": signature.digest,
+            "max_frame_bytes": settings.max_frame_bytes,  # what a producer may send this worker
             **signature.to_json(),
         }
         self._signature_json = json.dumps(record)

@@ -5,6 +5,7 @@ its inputs against."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import textwrap
@@ -30,6 +31,7 @@ from ortq.worker.serve import file_version
 from tests import onnx_models
 from tests.conftest import Pool, WorkerProcesses, eventually
 from tests.test_fuzz import job_fields
+from tests.test_worker_inprocess import Serving, make_worker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -306,3 +308,27 @@ def test_a_job_pinned_by_a_malformed_version_is_answered_invalid(
     assert connection.hget(keys.job_key(job_id), "status") == b"failed"
     assert connection.zscore(f"rq:failed:{keys.queue_name(model_name)}", job_id) is not None
     assert not connection.exists(keys.request_key(model_name, job_id))
+
+
+def test_the_current_version_is_handed_to_a_live_worker_when_its_last_worker_stops(
+    tiny_path: Path, models_dir: Path, model_name: str, redis_url: str, connection: redis.Redis
+) -> None:
+    """issue 35, section 3: the current signature record outlived the worker that wrote it, so a
+    producer pinning to the current version pinned to one nobody served."""
+    v2_path = onnx_models.retrained_tiny_model(models_dir / "hand-on-v2.onnx", scale=7.0)
+    settings = Settings.from_url(redis_url, heartbeat_seconds=0.5)
+    first = Serving(make_worker(tiny_path, model_name, settings, model_version="v1", worker_name=f"{model_name}-v1"))
+    with Producer(settings=settings) as producer:
+        producer.wait_for_workers(model_name, 1, timeout=60)
+        second = Serving(make_worker(v2_path, model_name, settings, model_version="v2", worker_name=f"{model_name}-v2"))
+        producer.wait_for_workers(model_name, 2, timeout=60)
+        current = lambda: json.loads(connection.get(keys.signature_key(model_name)) or b"{}")["version"]  # noqa: E731
+        assert current() == "v2"  # the worker that started last
+        assert second.stop() == 0
+        assert current() == "v1"  # v2's last worker stopped: the current version is one served
+        x = np.ones((1, 4), np.float32)
+        pinned = producer.submit(model_name, {"x": x}, version=current())
+        direct = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(pinned.result(timeout=30)["y"], direct)
+        assert first.stop() == 0
+    assert current() == "v1"  # no live worker left: it stays, and a job enqueued meanwhile waits

@@ -17,7 +17,9 @@ from typing import Any, cast
 
 import redis
 
-from ortq import keys, redisfaults
+from ortq import keys, redisfaults, redisfunctions
+from ortq.control import worker_records
+from ortq.errors import WireFormatError
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.records import WorkerRecords
@@ -28,8 +30,11 @@ from ortq.worker.ownership import Ledger
 
 log = logging.getLogger("ortq.worker")
 
-#: The job hash field by which a job's stop is requested (written by ortq_request_stop_v1).
-STOP_FIELD = "ortq_stop"
+#: The job hash field by which a job's stop is requested (written by redisfunctions.STOP_FUNCTION).
+STOP_FIELD = redisfunctions.STOP_FIELD
+
+#: What a heartbeat read of the stop marks gives: each marked held job's id and its mark.
+StopMarks = dict[str, bytes | None]
 
 
 class Presence:
@@ -61,6 +66,8 @@ class Presence:
         #: worker idle until it has written "idle": so "idle" never lands after a start's "busy"
         #: (start.lua writes that one).
         self.starting = threading.Lock()
+        #: Held jobs whose stop mark was found to be no stop token (said once a job).
+        self._refused_marks: set[str] = set()
 
     # ------------------------------------------------------------------ the worker threads' side
 
@@ -104,10 +111,11 @@ class Presence:
             **ident.extra,
         }
 
-    def heartbeat(self, connection: redis.Redis) -> list[str]:
+    def heartbeat(self, connection: redis.Redis) -> StopMarks:
         """RQ's heartbeat of the worker and of the jobs it holds, and ortq's records; one round
-        trip. A record of the wrong type (written by someone else) is written again. Returns the
-        ids of the held jobs whose stop was requested (``ortq_stop`` in their hash: ortq.worker.stops)."""
+        trip (two when a held job is marked). A record of the wrong type (written by someone else)
+        is written again. Returns the held jobs whose hash has a stop mark of a stop token's length
+        (``ortq_stop``: ortq.worker.stops checks it against the job's own token), with their marks."""
         running = self.ledger.jobs()
         with connection.pipeline(transaction=False) as pipe:
             asked = len(pipe)
@@ -121,7 +129,7 @@ class Presence:
             results = pipe.execute(raise_on_error=False)
         self.records.after_heartbeat(connection, results, positions, running, self.state)
         replies = results[asked : asked + len(running)]
-        stops = _stopped(running, replies)
+        stops = self._marks(connection, running, replies)
         if results[-1] not in (b"string", "string"):  # another type there: the NX write cannot replace it
             log.error("%s held no string; replacing it", keys.signature_key(self.identity.model))
             connection.set(keys.signature_key(self.identity.model), self._signature_json, ex=self.settings.request_ttl)
@@ -129,16 +137,46 @@ class Presence:
         _repair_set(connection, keys.SIGNATURES_SET, self._signature_names, results[-2])  # _queue_signatures' last
         return stops
 
-    def requested_stops(self, connection: redis.Redis, held_for: float) -> list[str]:
-        """The ids of the held jobs, held ``held_for`` seconds or more, whose stop was requested
-        (one HSTRLEN a job, one round trip; none when no job was held that long)."""
+    def requested_stops(self, connection: redis.Redis, held_for: float) -> StopMarks:
+        """The held jobs, held ``held_for`` seconds or more, that are marked to stop, with their
+        marks (one HSTRLEN a job in one round trip, one more for the marked; none when no job was
+        held that long)."""
         since = layout.utcnow() - timedelta(seconds=held_for)
         running = [job for job in self.ledger.jobs() if job.started_at <= since]
         if not running:
-            return []
+            return {}
         with connection.pipeline(transaction=False) as pipe:
             _queue_stop_reads(pipe, running)
-            return _stopped(running, pipe.execute(raise_on_error=False))
+            lengths = pipe.execute(raise_on_error=False)
+        return self._marks(connection, running, lengths)
+
+    def _marks(self, connection: redis.Redis, jobs: Sequence[StartedJob], lengths: Sequence[object]) -> StopMarks:
+        """The marks of ``jobs`` whose mark has a stop token's length (``lengths``: the replies to
+        :func:`_queue_stop_reads`), read in one round trip. A mark of another length is no job's
+        token: said once a job, and never read (its value may be hundreds of MB)."""
+        marked = []
+        for job, length in zip(jobs, lengths, strict=True):
+            if not isinstance(length, int) or length == 0:
+                continue  # no mark (an error in place of one, a job key of another type: none either)
+            if length == redisfunctions.STOP_TOKEN_LENGTH:
+                marked.append(job.job_id)
+            elif job.job_id not in self._refused_marks:
+                self._refused_marks.add(job.job_id)
+                log.warning(
+                    "job %s has a stop mark (%s) of %d bytes, no stop token: ignored, the job runs (only its "
+                    "producer's token stops it)",
+                    job.job_id,
+                    STOP_FIELD,
+                    length,
+                )
+        self._refused_marks &= {job.job_id for job in jobs}  # those of jobs that left are forgotten
+        if not marked:
+            return {}
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in marked:
+                pipe.hget(keys.job_key(job_id), STOP_FIELD)
+            values = pipe.execute(raise_on_error=False)
+        return {job_id: value for job_id, value in zip(marked, values, strict=True) if isinstance(value, bytes)}
 
     # ------------------------------------------------------------------ both ends
 
@@ -184,8 +222,42 @@ class Presence:
                 pipe.delete(keys.worker_key(self.name))
                 pipe.srem(keys.WORKERS_SET, self.name)
                 pipe.execute()
+            self._hand_on_current(connection)
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the records expire by themselves", exc)
+
+    def _hand_on_current(self, connection: redis.Redis) -> None:
+        """The model's current signature record is a live worker's: where it names this worker's
+        version and no other live worker serves that version, it becomes the record of a version a
+        live worker serves (a producer that pins to the current version would otherwise pin to one
+        nobody serves). With no live worker of the model left it stays: a job enqueued meanwhile
+        waits for the next worker. (A worker killed outright does not get here: its version stays
+        current until another worker starts.)"""
+        model, mine = self.identity.model, self.identity.version
+        current = connection.getrange(keys.signature_key(model), 0, CURRENT_RECORD_BYTES)
+        if not isinstance(current, bytes) or len(current) > CURRENT_RECORD_BYTES:
+            return
+        try:
+            if ModelSignature.loads(current).version != mine:
+                return
+        except WireFormatError:
+            return  # not a record this worker wrote: its next writer replaces it
+        served = {
+            r.get("version")
+            for _, r in worker_records(connection)
+            if r is not None and r.get("model") == model and isinstance(r.get("version"), str)
+        }
+        if mine in served or not served:
+            return
+        other = sorted(v for v in served if isinstance(v, str))[0]
+        record = connection.getrange(keys.signature_key(model, other), 0, CURRENT_RECORD_BYTES)
+        if isinstance(record, bytes) and 0 < len(record) <= CURRENT_RECORD_BYTES:
+            connection.set(keys.signature_key(model), record, ex=self.settings.request_ttl)
+            log.info("model %r's current version is now %s, one a live worker serves", model, other)
+
+
+#: The most of a signature record read when handing the current one on (a record is ~1 KB a tensor).
+CURRENT_RECORD_BYTES = 64 * 1024
 
 
 #: Members of keys.SIGNATURES_SET that a starting worker checks at most, chosen at random: a bound
@@ -211,16 +283,10 @@ def prune_signatures(connection: redis.Redis) -> int:
 
 
 def _queue_stop_reads(pipe: redis.client.Pipeline, jobs: Sequence[StartedJob]) -> None:
-    """Whether each job's stop was requested: the length of its STOP_FIELD, not its value (a value
+    """Whether each job is marked to stop: the length of its STOP_FIELD, not its value (a value
     anyone with write access made hundreds of MB is never sent; an empty one asks nothing)."""
     for job in jobs:
         pipe.hstrlen(keys.job_key(job.job_id), STOP_FIELD)
-
-
-def _stopped(jobs: Sequence[StartedJob], replies: Sequence[object]) -> list[str]:
-    """The ids of ``jobs`` whose stop was requested, from the replies to :func:`_queue_stop_reads`
-    (an error in place of one, a job key of another type, requests nothing)."""
-    return [job.job_id for job, length in zip(jobs, replies, strict=True) if isinstance(length, int) and length > 0]
 
 
 def _repair_set(connection: redis.Redis, key: str, members: list[str], reply: object) -> None:

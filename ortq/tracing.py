@@ -191,7 +191,12 @@ def for_worker(model: str, worker: str) -> WorkerTracing | None:
     found = tracer()
     if found is None and configure_from_env():
         found = tracer()
-    return None if found is None else WorkerTracing(found, model, worker)
+    if found is None:
+        return None
+    parent = os.environ.get("ORTQ_TRACE_PARENT", "link").strip().lower()
+    if parent not in ("link", "single"):
+        log.warning("ORTQ_TRACE_PARENT=%r is neither 'link' nor 'single': batch spans link their jobs", parent)
+    return WorkerTracing(found, model, worker, parent_single=parent == "single")
 
 
 def configure_from_env() -> bool:
@@ -234,10 +239,13 @@ def configure_from_env() -> bool:
 
 
 class WorkerTracing:
-    """A worker's tracer, model and name."""
+    """A worker's tracer, model and name. ``parent_single`` (ORTQ_TRACE_PARENT=single): a batch of
+    one job is a child of that job's producer span (its link kept), so that a trace view shows the
+    job's whole path in one trace; a batch of several stays a root linking each."""
 
-    def __init__(self, found: Any, model: str, worker: str) -> None:
+    def __init__(self, found: Any, model: str, worker: str, parent_single: bool = False) -> None:
         self.tracer, self.model, self.worker = found, model, worker
+        self.parent_single = parent_single
 
     def batch(self, taken: Sequence[Taken]) -> BatchTrace:
         """The trace of a batch the main thread is about to check and run."""
@@ -288,9 +296,12 @@ class BatchTrace:
         start = min((int(t.started.started_at.timestamp() * 1e9) for t in self.taken), default=now_ns)
         links, ids, jobs = self._jobs()
         failed = {f.started.execution_id: f for f in self.failures}
+        context = Context()  # a root: each job's producer is a link
+        if owner.parent_single and len(self.taken) == 1 and len(links) == 1:
+            context = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context), context)
         span = owner.tracer.start_span(
             "ortq.batch",
-            context=Context(),  # a root: each job's producer is a link
+            context=context,
             kind=SpanKind.CONSUMER,
             links=links,
             start_time=start,

@@ -167,6 +167,35 @@ def test_a_batch_span_links_every_job_and_its_children_are_the_timings_it_measur
         assert {s.name for s in children} == {"ortq.decode", "ortq.run", "ortq.encode", "ortq.reply"}
 
 
+def test_with_trace_parent_single_a_batch_of_one_job_is_a_child_of_its_producer_span(
+    spans: InMemorySpanExporter, settings: Settings, tiny_path: Path, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTQ_TRACE_PARENT", "single")  # read when the worker is made
+    serving = Serving(make_worker(tiny_path, model_name, settings))
+    producer = Producer(settings=settings, allow_unknown_models=True)
+    try:
+        outputs = producer.infer(model_name, X, timeout=30)  # alone: a batch of one
+        xs = [{"x": np.full((1, 4), i, np.float32)} for i in range(3)]
+        together = producer.submit_many(model_name, xs)
+        for job in together:
+            job.result(timeout=30)
+    finally:
+        assert serving.stop() == 0
+    session = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(outputs["y"], session.run(None, X)[0])
+    [sent, *_] = named(spans, "ortq.send")
+    eventually(lambda: len(named(spans, "ortq.batch")) >= 2)
+    [alone, *rest] = named(spans, "ortq.batch")
+    assert alone.parent is not None and alone.context is not None and sent.context is not None
+    assert (alone.parent.span_id, alone.context.trace_id) == (sent.context.span_id, sent.context.trace_id)
+    [link] = alone.links  # the link stays
+    assert link.context.span_id == sent.context.span_id
+    # The worker runs one job a batch (--max-batch 1): each of the three is a child of their one
+    # submit_many span; a batch of several stays a root (the test above, at the default "link").
+    [bulk] = named(spans, "ortq.send")[1:]
+    assert len(rest) == 3 and all(b.parent is not None and b.parent.span_id == bulk.context.span_id for b in rest)
+
+
 def encode_timing(connection: redis.Redis, job_id: str) -> float:
     """The ``encode`` timing of RQ's result record of the job (docs/wire-format.md 4.6)."""
     eventually(lambda: connection.exists(f"rq:results:{job_id}") == 1)

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model_version": ("v2", {}),
     "custom_ops": ("onnxruntime_extensions", {}),
     "provider_options": ((("use_tf32", "0"), ("gpu_mem_limit", "1024")), {"provider": "cuda"}),
+    "ort_log_level": ("warning", {}),
 }
 CASES = [pytest.param(field, *SAMPLES[field], id=field) for field in SAMPLES]
 

@@ -84,6 +84,9 @@ class Option:
         return self.flag if on_command_line else self.toml
 
 
+#: ``--ort-log-level`` values, ONNX Runtime's severities 0-4 in order.
+ORT_LOG_LEVELS = ("verbose", "info", "warning", "error", "fatal")
+
 OPTIONS: tuple[Option, ...] = (
     Option("model_path", "--model", Kind.PATH, None, "The .onnx file to serve.", "ORTQ_MODEL",
            Level.MODEL, "path"),
@@ -160,6 +163,11 @@ OPTIONS: tuple[Option, ...] = (
            "space-separated), e.g. use_tf32=0 for CUDA. device_id is refused (use --adapter), and so is an option "
            "the provider does not report back after the session is made (docs/adapters.md).",
            "ORTQ_PROVIDER_OPTIONS", Level.BOTH, metavar="KEY=VALUE"),
+    Option("ort_log_level", "--ort-log-level", Kind.CHOICE, "error",
+           "The least severe of ONNX Runtime's own log lines the worker lets through (to stderr, as ONNX Runtime "
+           "writes them, coloured): its warnings (a plugin EP's registration, nodes placed on the CPU) say nothing "
+           "ortq does not check itself.", "ORTQ_ORT_LOG_LEVEL", Level.BOTH, choices=ORT_LOG_LEVELS,
+           show_default=True),
 )  # fmt: skip
 
 BY_FIELD = {option.field: option for option in OPTIONS}

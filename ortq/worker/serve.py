@@ -25,7 +25,7 @@ from ortq.worker import custom_ops, options, provider_options
 from ortq.worker.batch import check_batchable
 from ortq.worker.identity import WorkerIdentity
 from ortq.worker.loop import Worker
-from ortq.worker.options import DEFAULTS
+from ortq.worker.options import DEFAULTS, ORT_LOG_LEVELS
 from ortq.worker.runtime import import_onnxruntime, platform_refusal
 from ortq.worker.session import (
     PLUGIN_PROVIDERS,
@@ -34,6 +34,7 @@ from ortq.worker.session import (
     canary,
     load_model,
     missing_provider,
+    quiet_onnxruntime,
     warm_up,
 )
 
@@ -58,6 +59,7 @@ class WorkerConfig:
     allow_cpu_fallback: bool = DEFAULTS["allow_cpu_fallback"]
     policy: str = DEFAULTS["policy"]
     threads: int | None = DEFAULTS["threads"]
+    ort_log_level: str = DEFAULTS["ort_log_level"]
     burst: bool = DEFAULTS["burst"]
     worker_name: str | None = DEFAULTS["worker_name"]
     skip_canary: bool = DEFAULTS["skip_canary"]
@@ -112,6 +114,7 @@ def resolve_plan(config: WorkerConfig) -> tuple[SessionPlan, dict[str, Any] | No
         policy=config.policy,
         custom_ops=library,
         user_options=config.provider_options,
+        log_severity=ORT_LOG_LEVELS.index(config.ort_log_level),
     )
     if config.provider in ("cpu", "auto"):
         return base, None
@@ -158,6 +161,7 @@ def _resolve_plugin(config: WorkerConfig, base: SessionPlan) -> tuple[SessionPla
     if refusal is not None:
         raise ProviderUnavailable(refusal)
     ort = import_onnxruntime(config.provider)
+    quiet_onnxruntime(ort, base.log_severity)  # the registration below logs through ORT's default logger
     if config.provider == "webgpu":
         plugin_ep.register_webgpu(ort)
         adapter, preference = plugin_ep.resolve_webgpu(config.adapter, plugin_ep.webgpu_adapters(ort))

@@ -79,6 +79,8 @@ class SessionPlan:
     custom_ops: str | None = None
     #: The user's ``--provider-option`` pairs, passed after ortq's own (ortq.worker.provider_options).
     user_options: tuple[tuple[str, str], ...] = ()
+    #: ONNX Runtime's least severe log line let through (``--ort-log-level``; 3: errors).
+    log_severity: int = 3
 
     @property
     def wanted_ep(self) -> str | None:
@@ -101,6 +103,7 @@ class SessionPlan:
 
     def session_options(self, ort: Any) -> Any:
         options = ort.SessionOptions()
+        options.log_severity_level = self.log_severity
         # "auto" and "winml" may land on DML, whose requirements are harmless elsewhere.
         if self.provider in ("dml", "auto", "winml"):
             options.enable_mem_pattern = False
@@ -308,6 +311,12 @@ def _unplaced(session: Any, wanted: str) -> str:
     )
 
 
+def quiet_onnxruntime(ort: Any, severity: int) -> None:
+    """ONNX Runtime's default logger (the one of provider registration and session creation, e.g.
+    "No registered plugin EP device found" at every CUDA session) lets through ``severity`` and up."""
+    ort.set_default_logger_severity(severity)
+
+
 def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
     """Create the session for ``plan`` and verify it really runs on the requested provider."""
     refusal = platform_refusal(plan.provider)
@@ -319,6 +328,7 @@ def load_model(model_path: Path, plan: SessionPlan) -> LoadedModel:
         model.fell_back_to_cpu = True
         return model
     ort = import_onnxruntime("cpu" if plan.provider == "auto" else plan.provider)
+    quiet_onnxruntime(ort, plan.log_severity)
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")
     session, reason = _create(ort, model_path, plan)

@@ -9,7 +9,7 @@ and holds no state between scrapes.
 
 What a scrape costs, per Redis of the shard map: :func:`ortq.info.collect` (what ``ortq info``
 reads: the workers' set of their signature records, the workers' records, four counters per model
-and one per version, its parked jobs), then two
+and one per version with a signature or a parked list, its parked jobs), then two
 pipelined round trips for the oldest waiting job of every model (``LINDEX 0`` of the queue, ``HGET``
 of that one job's ``enqueued_at``). Nothing is unpickled. Redis is hostile input as everywhere in
 ortq: a key of the wrong type or content shows as missing (collect's rule) and is logged, never an
@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from ortq import keys
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
-from ortq.info import GONE, collect_shards, shard_clients
+from ortq.info import GONE, MOST_PARKED_VERSIONS, collect_shards, shard_clients
 from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
@@ -95,8 +95,8 @@ class QueueCollector(Collector):
         families = {name: GaugeMetricFamily(name, doc, labels=LABELS) for name, doc in _HELP.items()}
         parked = GaugeMetricFamily(
             PARKED,
-            "Jobs pinned to the version that a worker of another version parked for it (in no queue list); "
-            "absent where none are.",
+            "Jobs pinned to the version that a worker of another version parked for it (in no queue list), "
+            "whether or not any worker serves that version; absent where none are.",
             labels=[*LABELS, "version"],
         )
         for url, client in self._clients.items():
@@ -135,6 +135,12 @@ class QueueCollector(Collector):
                 logging.WARNING,
                 f"{keys.RQ_QUEUES_SET} holds more queue names than a scrape looks at: the queues of names no worker or "
                 "signature gives may go unseen (ortq info says how many)",
+            )
+        if info["skipped_parked_versions"]:
+            self._once(
+                logging.WARNING,
+                f"a model has more versions with parked jobs than a scrape looks at ({MOST_PARKED_VERSIONS}): "
+                f"{PARKED} leaves some out (ortq info says how many)",
             )
         models: list[dict[str, Any]] = info["models"]
         return models, self._oldest_ages(client, [m["model"] for m in models])

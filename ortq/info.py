@@ -226,17 +226,15 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
     names = set(signatures) | {w["model"] for w in workers}
     waiting, skipped = _unserved_queues(connection, names)
     names |= waiting
+    parked, skipped_parked = parked_jobs(connection, sorted(names), versions)
     models = []
     for name in sorted(names):
         queue = layout.QueueKeys.of(keys.queue_name(name))
-        published = versions.get(name, [])
         with connection.pipeline(transaction=False) as pipe:
             pipe.llen(queue.queue)
             pipe.zcard(queue.started)
             pipe.zcard(queue.failed)
             pipe.zcard(queue.finished)
-            for version in published:
-                pipe.llen(keys.parked_key(name, version))
             counts = [c if isinstance(c, int) else 0 for c in pipe.execute(raise_on_error=False)]
         queued, started, failed, finished = counts[:4]
         models.append(
@@ -246,7 +244,7 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
                 "queued": queued,
                 # Jobs pinned to a version that a worker of another version parked for it (in no
                 # queue list: docs/autoscaling.md), by version; only versions with some.
-                "parked": {version: count for version, count in zip(published, counts[4:], strict=True) if count},
+                "parked": parked.get(name, {}),
                 "started": started,
                 "failed": failed,
                 "finished": finished,
@@ -254,7 +252,49 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
                 "workers": [w for w in workers if w["model"] == name],
             }
         )
-    return {"models": models, "skipped_queues": skipped}
+    return {"models": models, "skipped_queues": skipped, "skipped_parked_versions": skipped_parked}
+
+
+#: Versions with a parked list looked at per model at most: the workers' set of them may name as
+#: many versions as producers pinned jobs to (any name passes), so what one read takes is bounded.
+MOST_PARKED_VERSIONS = 100
+
+
+def parked_versions_key(model: str) -> str:
+    """The set of the versions that have a parked list of ``model``'s (start.lua writes it)."""
+    return keys.PARKED_PREFIX + model
+
+
+def parked_jobs(
+    connection: redis.Redis, models: list[str], published: Mapping[str, list[str]]
+) -> tuple[dict[str, dict[str, int]], int]:
+    """The jobs parked for each version of each of ``models`` (only versions with some), and how many
+    versions were not looked at. A version is looked at when it has a signature (``published``) or
+    is in the workers' set of versions with a parked list (a version nobody serves has none: its
+    jobs are the ones that wait for nothing), at most MOST_PARKED_VERSIONS of that set a model; two
+    round trips in all. A key of another type shows as none (collect's rule)."""
+    with connection.pipeline(transaction=False) as pipe:
+        for model in models:
+            pipe.scard(parked_versions_key(model))
+            pipe.srandmember(parked_versions_key(model), MOST_PARKED_VERSIONS)
+        replies = pipe.execute(raise_on_error=False) if models else []
+    looked: list[tuple[str, str]] = []
+    skipped = 0
+    for i, model in enumerate(models):
+        total, members = replies[2 * i : 2 * i + 2]
+        listed = [keys.as_text(m) for m in members if len(m) <= 64] if isinstance(members, list) else []
+        skipped += max(0, total - len(listed)) if isinstance(total, int) else 0
+        named = dict.fromkeys([*published.get(model, []), *(v for v in listed if _is_version(v))])
+        looked += [(model, version) for version in named]
+    with connection.pipeline(transaction=False) as pipe:
+        for model, version in looked:
+            pipe.llen(keys.parked_key(model, version))
+        counts = pipe.execute(raise_on_error=False) if looked else []
+    parked: dict[str, dict[str, int]] = {}
+    for (model, version), count in zip(looked, counts, strict=True):
+        if isinstance(count, int) and count > 0:
+            parked.setdefault(model, {})[version] = count
+    return parked, skipped
 
 
 #: Members of RQ's queue set read at most, and of those naming a model no worker or signature
@@ -309,16 +349,18 @@ def collect_shards(
     queued jobs on a Redis the map does not send it to (a worker started with the wrong URL)."""
     models: list[dict[str, Any]] = []
     warnings = []
-    skipped = 0
+    skipped = skipped_parked = 0
     for url, connection in connections.items():
         info = collect(connection, heartbeat_seconds)
         skipped += info["skipped_queues"]
+        skipped_parked += info["skipped_parked_versions"]
         for model in info["models"]:
             model["redis"] = redacted_url(url)
             models.append(model)
             if (warning := misplaced(model, url, shards)) is not None:
                 warnings.append(warning)
-    return {"models": models, "warnings": warnings, "skipped_queues": skipped}
+    shown = {"models": models, "warnings": warnings, "skipped_queues": skipped}
+    return {**shown, "skipped_parked_versions": skipped_parked}
 
 
 def misplaced(model: dict[str, Any], url: str, shards: ShardMap) -> str | None:
@@ -368,9 +410,42 @@ def _adapter(worker: dict[str, Any]) -> str:
     return f"#{adapter.get('index', worker.get('device_id'))} {name}"
 
 
-def _parked(parked: dict[str, int]) -> str:
-    """The PARKED column: how many jobs wait parked for each version (``3 for v1``), or 0."""
-    return ", ".join(f"{count} for {version[:64]}" for version, count in parked.items()) or "0"
+def _parked(model: dict[str, Any]) -> str:
+    """The PARKED column: how many jobs wait parked for each version (``3 for v1``), or 0; a version
+    no live worker of the model serves says so (``2 for v9 (not served)``): its jobs wait for
+    nothing until their requests expire."""
+    served = served_versions(model)
+    return (
+        ", ".join(
+            f"{count} for {version[:64]}" + ("" if version in served else " (not served)")
+            for version, count in model["parked"].items()
+        )
+        or "0"
+    )
+
+
+def served_versions(model: dict[str, Any]) -> set[str]:
+    """The versions that live workers of ``model`` (one of :func:`collect`'s) serve."""
+    return {w["version"] for w in model["workers"] if w.get("state") != GONE and isinstance(w.get("version"), str)}
+
+
+def _parked_note(info: dict[str, Any]) -> str:
+    """The note below the tables when some versions with parked jobs were not looked at."""
+    skipped = info.get("skipped_parked_versions", 0)
+    if not skipped:
+        return ""
+    return (
+        f"\nnote: {skipped} version(s) with a parked list were not looked at (at most {MOST_PARKED_VERSIONS} a "
+        "model are): their parked jobs are not counted"
+    )
+
+
+def _worker_count(workers: list[dict[str, Any]]) -> str:
+    """The WORKERS column: the live workers (``2``), and apart the gone ones whose records have not
+    expired yet (``2 (+1 gone)``): a gone worker serves nothing, and the exporter counts only live ones."""
+    gone = sum(w.get("state") == GONE for w in workers)
+    live = len(workers) - gone
+    return f"{live} (+{gone} gone)" if gone else str(live)
 
 
 def _current_version(signature: dict[str, Any] | None) -> str:
@@ -389,6 +464,7 @@ def format_info(info: dict[str, Any]) -> str:
             f"\nnote: {skipped} member(s) of RQ's queue set ({keys.RQ_QUEUES_SET}) that no worker or signature"
             f" names were not looked at (at most {_MOST_UNSERVED_QUEUES} are): a queue of theirs is not shown"
         )
+    warnings += _parked_note(info)
     if not info["models"]:
         return f"no ortq models or workers in {'these Redis instances' if sharded else 'this Redis'}{warnings}"
     redis_column: tuple[str, ...] = ("REDIS",) if sharded else ()
@@ -412,11 +488,11 @@ def format_info(info: dict[str, Any]) -> str:
                 *((m["redis"],) if sharded else ()),
                 _current_version(m["signature"]),
                 m["queued"],
-                _parked(m["parked"]),
+                _parked(m),
                 m["started"],
                 m["finished"],
                 m["failed"],
-                len(m["workers"]),
+                _worker_count(m["workers"]),
                 ", ".join(_shape(s) for s in (m["signature"] or {}).get("inputs", [])),
                 ", ".join(_shape(s) for s in (m["signature"] or {}).get("outputs", [])),
             )

@@ -10,6 +10,7 @@ The Lua files are the producer's package data (``ortq/producer/*.lua``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from functools import cache
 from pathlib import Path
@@ -51,10 +52,25 @@ def script_source() -> str:
 
 #: The library of the calls on one job that need to look before they write: an enqueue under a
 #: producer's own job id (``enqueue_unique.lua``, which inserts a high-priority job with the code
-#: above, as a local function of its own) and a stop request (``request_stop.lua``).
-JOBS_LIBRARY = "ortq_jobs_v1"
-UNIQUE_FUNCTION = "ortq_enqueue_unique_v1"
-STOP_FUNCTION = "ortq_request_stop_v1"
+#: above, as a local function of its own) and a stop request (``request_stop.lua``). v2: the stop
+#: request writes the job's stop token (:func:`stop_token`), not the time.
+JOBS_LIBRARY = "ortq_jobs_v2"
+UNIQUE_FUNCTION = "ortq_enqueue_unique_v2"
+STOP_FUNCTION = "ortq_request_stop_v2"
+
+#: The job hash field a stop request writes: the job's stop token (docs/wire-format.md, 3.7).
+STOP_FIELD = "ortq_stop"
+#: A stop token's length: SHA-256 in lowercase hex digits.
+STOP_TOKEN_LENGTH = 64
+
+
+def stop_token(proof: bytes) -> bytes:
+    """What a job's stop mark must hold for its worker to stop it: SHA-256 of ``stop``, a newline
+    and the job's proof (wire.proof_of: SHA-256 of its model, a newline and its request's nonce),
+    as lowercase hex. Only the job's producer knows the nonce before the job's answer publishes the
+    proof, and no other producer can read a request frame, so a mark anyone else writes (any
+    producer may HSET any job hash) is none that its worker honours."""
+    return hashlib.sha256(b"stop\n" + proof).hexdigest().encode()
 
 
 def _indented(body: str) -> str:

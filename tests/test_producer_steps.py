@@ -93,14 +93,14 @@ def test_a_cancels_lost_lrem_reply_is_sent_again_and_its_status_read(
     if again == [0]:
         replies.append(status)
     replies.append([1, 1, 1] if cancelled else [0])  # the cancel's MULTI, or the stop request
-    asked, result = drive(cancelling.cancel("job-1", "m"), replies)
+    asked, result = drive(cancelling.cancel("job-1", "m", b"p" * 32), replies)
     assert result is cancelled
     assert queued(asked[1]) == queued(asked[0])
 
 
 def test_a_stop_request_falls_back_to_eval_where_redis_lacks_the_function() -> None:
     missing = redis.ResponseError("Function not found")
-    asked, result = drive(cancelling.request_stop("job-1", "m"), [[missing], [1]])
+    asked, result = drive(cancelling.request_stop("job-1", "m", b"p" * 32), [[missing], [1]])
     assert result is True
     assert all(isinstance(r, Round) and not r.transaction for r in asked) and len(asked) == 2
 

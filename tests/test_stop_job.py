@@ -4,6 +4,7 @@ JobStopped, RQ's status ``stopped``, and the worker goes on serving. Real Redis,
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import redis
 from rq.command import send_stop_job_command
 
-from ortq import keys
+from ortq import keys, redisfunctions
 from ortq.errors import InferenceFailed
 from ortq.producer import AsyncProducer, Producer, cancelling
 from ortq.rqcompat import layout
@@ -80,7 +81,7 @@ def test_a_running_job_is_stopped_and_the_worker_serves_on(
     assert "terminate" not in workers.logs() and "\x1b[" not in workers.logs(), workers.logs()[-3000:]
 
 
-@pytest.mark.parametrize("how", ["cancel", "an 8 MB mark"])
+@pytest.mark.parametrize("how", ["cancel", "its token by a plain HSET"])
 def test_a_stop_is_seen_between_heartbeats(
     how: str,
     slow_path: Path,
@@ -92,8 +93,9 @@ def test_a_stop_is_seen_between_heartbeats(
 ) -> None:
     """The heartbeat thread reads the stop requests of long-held jobs every STOP_POLL_SECONDS, not
     only at its heartbeats: with heartbeats far apart (a minute: none falls within the run once it
-    has begun), a cancelled run still ends long before its 12 s. A mark of any size (written by
-    anyone with write access) is read by its length, never fetched, and stops the job as well."""
+    has begun), a cancelled run still ends long before its 12 s. What stops it is the job's stop
+    token in its mark, whoever writes the field (here the producer itself, by a plain HSET): a mark
+    of anything else stops nothing (tests/test_stop_binding.py)."""
     monkeypatch.setenv("ORTQ_HEARTBEAT_SECONDS", "60")
     workers.start(slow_path, model_name, redis_url)  # not serve: it waits for a heartbeat after the warm-up
     with Producer(settings=Settings.from_url(redis_url)) as producer:
@@ -104,7 +106,8 @@ def test_a_stop_is_seen_between_heartbeats(
         if how == "cancel":
             assert job.cancel() is True
         else:
-            connection.hset(keys.job_key(job.id), "ortq_stop", b"x" * (8 << 20))
+            assert job.proof is not None
+            connection.hset(keys.job_key(job.id), "ortq_stop", redisfunctions.stop_token(job.proof))
         with pytest.raises(InferenceFailed, match="JobStopped"):
             job.result(timeout=RUN_SECONDS)
         assert time.monotonic() - began < RUN_SECONDS / 2, "the stop waited for the run's end"
@@ -114,17 +117,19 @@ def test_a_stop_only_marks_a_started_job_of_its_own_model(
     tiny_path: Path, model_name: str, redis_url: str, connection: redis.Redis, workers: WorkerProcesses
 ) -> None:
     """The stop request writes nothing to a queued job (cancel takes that one off the queue), to one
-    that ended, or to another model's job of that id."""
+    that ended, or to another model's job of that id; what it writes is the job's stop token."""
     with Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True) as producer:
         queued = producer.submit(model_name, {"x": np.ones((1, 4), np.float32)})
-        assert producer._run(model_name, cancelling.request_stop(queued.id, model_name)) is False
+        assert queued.proof is not None
+        stop = cancelling.request_stop
+        assert producer._run(model_name, stop(queued.id, model_name, queued.proof)) is False
         assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
         connection.hset(keys.job_key(queued.id), "status", "started")  # as a worker's start writes it
-        assert producer._run(model_name, cancelling.request_stop(queued.id, f"{model_name}-other")) is False
+        assert producer._run(model_name, stop(queued.id, f"{model_name}-other", queued.proof)) is False
         assert connection.hget(keys.job_key(queued.id), "ortq_stop") is None
-        assert producer._run(model_name, cancelling.request_stop(queued.id, model_name)) is True
-        assert connection.hget(keys.job_key(queued.id), "ortq_stop") is not None
-        assert producer._run(model_name, cancelling.request_stop("no-such-job", model_name)) is False
+        assert producer._run(model_name, stop(queued.id, model_name, queued.proof)) is True
+        assert connection.hget(keys.job_key(queued.id), "ortq_stop") == redisfunctions.stop_token(queued.proof)
+        assert producer._run(model_name, stop("no-such-job", model_name, queued.proof)) is False
         assert not connection.exists(keys.job_key("no-such-job"))
 
 
@@ -153,18 +158,20 @@ def test_the_async_producer_stops_a_running_job(
 def test_stops_end_a_run_only_when_every_job_in_it_is_requested() -> None:
     """ortq.worker.stops on real RunOptions: a run is stopped once all of its jobs are requested
     (before it began or while it runs), never for a part of its jobs; ids not held are dropped."""
-    from ortq.worker.stops import Stops
+    from ortq.worker.stops import COMMANDED, Stops
 
+    proofs = {job: hashlib.sha256(job.encode()).digest() for job in "abc"}
     stops = Stops()
-    stops.request(["a", "elsewhere"], held=["a", "b", "c"])
+    stops.request({"a": redisfunctions.stop_token(proofs["a"]), "elsewhere": COMMANDED}, held=["a", "b", "c"])
     assert stops.requested("a") and not stops.requested("elsewhere") and stops.any
+    assert stops.applies("a", proofs["a"])
     options = ort.RunOptions()
-    stops.run_began(["a", "b"], options)
+    stops.run_began({"a": proofs["a"], "b": proofs["b"]}, options)
     assert not options.terminate  # b was not requested: the run goes on
-    stops.request(["b"], held=["a", "b", "c"])
+    stops.request({"b": COMMANDED}, held=["a", "b", "c"])  # RQ's stop-job command
     assert options.terminate and stops.run_ended()
     requested_before = ort.RunOptions()
-    stops.run_began(["b"], requested_before)
+    stops.run_began({"b": proofs["b"]}, requested_before)
     assert requested_before.terminate and stops.run_ended()
-    stops.request([], held=["c"])  # a and b left the worker: forgotten
+    stops.request({}, held=["c"])  # a and b left the worker: forgotten
     assert not stops.any and not stops.run_ended()

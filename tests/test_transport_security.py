@@ -61,7 +61,7 @@ PRODUCER_RULES = (
 WORKER_RULES = (
     "resetchannels &rq:pubsub:* resetkeys ~rq:* ~ortq:* -@all +ping +select +client|setname +client|info "
     "+multi +exec +discard +evalsha +script|load +script|exists +function|list +function|load "
-    "+type +exists +get +getrange +strlen +set +del +expire +persist +object|encoding +memory|usage "
+    "+type +exists +get +getrange +strlen +set +del +expire +ttl +persist +object|encoding +memory|usage "
     "+rpush +lpush +lpop +lrem +lrange +ltrim +lmove +blmove +llen "
     "+hset +hget +hmget +hdel +hexists +hlen +hstrlen +sadd +srem +srandmember "
     "+zadd +zrem +zscore +zmscore +zrange +zrangebyscore +zremrangebyscore +xadd +rename +subscribe +unsubscribe"

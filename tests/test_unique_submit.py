@@ -156,4 +156,4 @@ def test_a_function_librarys_code_changes_only_with_its_name() -> None:
         redisfunctions.JOBS_LIBRARY: redisfunctions.jobs_library_source(),
     }
     digests = {name: hashlib.sha256(source.encode()).hexdigest()[:16] for name, source in sources.items()}
-    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v1": "70b409860c2d7134"}
+    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v2": "a47377c00e70b1a9"}

@@ -6,7 +6,7 @@
 //   const outputs = await client.result(id, 30000);   // {y: {dtype, shape, data: Float32Array}}
 //   await client.close();
 
-import { randomBytes, randomUUID } from 'node:crypto';
+import { createHash, randomBytes, randomUUID } from 'node:crypto';
 import { encode } from '@msgpack/msgpack';
 import Redis, { ReplyError } from 'ioredis';
 import { DEFAULT_DTYPES, DEFAULT_MAX_FRAME_BYTES, OrtqError, decodeResponse, encodeRequest, proofOf } from './frame.mjs';
@@ -21,8 +21,8 @@ const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
 const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
-const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v1';
-const REQUEST_STOP = 'ortq_request_stop_v1';
+const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v2';
+const REQUEST_STOP = 'ortq_request_stop_v2';
 /** Most reply streams one XREAD names. */
 const XREAD_STREAMS = 256;
 /** The most ids one RPUSH of an enqueue carries (section 3.2): a larger batch's go in several, in order. */
@@ -30,6 +30,12 @@ const PUSH_CHUNK = 1000;
 /** The errors a worker answers without having read the request, so with no proof, each in fixed
  * words of its own: such an error is still the job's answer. */
 export const UNPROVEN_ERRORS = new Set(['RequestExpired', 'PayloadTooLarge', 'InvalidJob', 'WireFormatError', 'WorkerLost']);
+
+/** A job's stop token (section 3.7): SHA-256 of "stop", a newline and the job's proof, in
+ * lowercase hex. Its worker stops the job only for a mark that holds it. */
+export function stopTokenOf(proof) {
+  return createHash('sha256').update(Buffer.from('stop\n', 'utf8')).update(proof).digest('hex');
+}
 
 /** The string key holding a job's request frame. */
 export function requestKey(model, jobId) {
@@ -562,11 +568,15 @@ export class Client {
 
   /** Take a job off its queue if no worker has started it, else ask the worker running it to stop
    * it (section 3.7: it then fails with JobStopped); whether it was removed or asked to stop (false:
-   * it ended, or is unknown). */
-  async cancel(jobId, model) {
+   * it ended, or is unknown, or it is started and neither this client submitted it nor `nonce`, the
+   * nonce its request carried, is given: its stop token is made from that nonce). */
+  async cancel(jobId, model, { nonce } = {}) {
     const doing = `could not cancel job ${jobId}`;
     const removed = this.#takenOff(this.queueKey(checkModelName(model)), checkJobId(jobId));
-    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) return redisCall(doing, this.#requestStop(jobId, model));
+    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) {
+      const proof = nonce instanceof Uint8Array ? proofOf(model, nonce) : this.jobs.get(jobId)?.proof;
+      return proof === undefined ? false : redisCall(doing, this.#requestStop(jobId, model, proof));
+    }
     const records = this.redis
       .multi()
       .del(requestKey(model, jobId))
@@ -578,12 +588,12 @@ export class Client {
     return true;
   }
 
-  /** Mark a started job for its worker to stop (section 3.7's FCALL); whether it was started. A
-   * Redis without the function has had no worker start on it, so none runs the job. */
-  async #requestStop(jobId, model) {
+  /** Mark a started job for its worker to stop (section 3.7's FCALL) with its stop token, made
+   * from its `proof`; whether it was started. A Redis without the function has had no worker start
+   * on it, so none runs the job. */
+  async #requestStop(jobId, model, proof) {
     try {
-      const now = Math.floor(Date.now() / 1000);
-      return (await this.redis.call('FCALL', REQUEST_STOP, 1, this.jobKey(jobId), `ortq:${model}`, now)) === 1;
+      return (await this.redis.call('FCALL', REQUEST_STOP, 1, this.jobKey(jobId), `ortq:${model}`, stopTokenOf(proof))) === 1;
     } catch (err) {
       if (err instanceof ReplyError && /function not found/i.test(err.message)) return false;
       throw err;

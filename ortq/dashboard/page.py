@@ -19,7 +19,7 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 
 from ortq.dashboard.records import describe, exception_text, text
-from ortq.info import collect, heartbeat_text, misplaced, state_text
+from ortq.info import collect, heartbeat_text, misplaced, served_versions, state_text
 from ortq.redisurls import redacted_url
 from ortq.settings import REDIS_DOWN
 from ortq.shards import ShardMap
@@ -105,6 +105,7 @@ def _section(connection: redis.Redis, heartbeat_seconds: float) -> dict[str, Any
         )
         return section
     for model in section["models"]:
+        model["served_versions"] = served_versions(model)  # a parked version not among them waits for nothing
         try:
             model["recent_failures"] = recent_failures(connection, model["queue"]) if model["failed"] else []
         except REDIS_DOWN:
@@ -165,7 +166,9 @@ code { font-size: .95em; }
 {% endfor %}
 </dl>
 {% if m.parked %}<p data-field="parked">parked: {% for version, count in m.parked.items() %}{{ count }}
-{{- ' jobs' if count != 1 else ' job' }} pinned to version <code>{{ version }}</code>{{ ', ' if not loop.last }}
+{{- ' jobs' if count != 1 else ' job' }} pinned to version <code>{{ version }}</code>
+{%- if version not in m.served_versions %} <span class="bad">(no worker serves it)</span>{% endif %}
+{{- ', ' if not loop.last }}
 {%- endfor %} <span class="muted">(taken off the queue by a worker of another version; a worker of
 that version takes them first)</span></p>{% endif %}
 {% if m.signature %}

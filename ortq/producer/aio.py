@@ -54,8 +54,9 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
     async def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it, else ask the worker running it to stop
         it (within about half a second; it then fails with JobStopped, RQ's status ``stopped``); returns whether
-        either was done (False: the job ended, or is unknown)."""
-        return await self.producer.cancel(self.id, self.model)
+        either was done (False: the job ended, or is unknown; or it is started and this handle, from
+        ``job(id, model)``, lacks the nonce its stop token is made from)."""
+        return await self.producer.cancel(self.id, self.model, self.proof)
 
 
 @dataclass(frozen=True)
@@ -344,9 +345,9 @@ class AsyncProducer:
         responses = await self.wait_responses([job.id for job in jobs], models, timeout, proofs)
         return [enqueue.outputs_of(response, job) for job, response in zip(jobs, responses, strict=True)]
 
-    async def cancel(self, job_id: str, model: str) -> bool:
-        """Remove a queued job, or stop a started one (see AsyncInferenceJob.cancel)."""
-        return await self._run(model, cancelling.cancel(job_id, model))
+    async def cancel(self, job_id: str, model: str, proof: bytes | None = None) -> bool:
+        """Remove a queued job, or stop a started one with its ``proof`` (see AsyncInferenceJob.cancel)."""
+        return await self._run(model, cancelling.cancel(job_id, model, proof))
 
     async def _run(self, model: str, steps: Steps[T]) -> T:
         """Send what ``steps`` ask for to ``model``'s Redis (its client looked up at each send: never

@@ -1,5 +1,6 @@
 """Cancelling a job, as I/O-free steps (``steps``): take it off its queue if no worker has started
-it, else ask the worker running it to stop it (ortq.worker.stops)."""
+it, else ask the worker running it to stop it (ortq.worker.stops) with the job's stop token, which
+only the producer that holds the job's nonce (its proof) can make."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from ortq.producer import enqueue
 from ortq.producer.steps import Command, Round, Steps, function_calls
 
 
-def cancel(job_id: str, model: str) -> Steps[bool]:
-    """Whether the job was taken off its queue or asked to stop (False: it ended, or is unknown)."""
+def cancel(job_id: str, model: str, proof: bytes | None = None) -> Steps[bool]:
+    """Whether the job was taken off its queue or asked to stop (False: it ended, or is unknown, or
+    it is started and ``proof`` is None: a handle without the job's nonce cannot stop it)."""
     try:
         if not (yield from _taken_off(job_id, model)):
-            return (yield from request_stop(job_id, model))
+            return False if proof is None else (yield from request_stop(job_id, model, proof))
         # A job hash that is no hash: the job is off the queue anyway (its reply is not looked at).
         records = Round(lambda pipe: enqueue.add_cancel(pipe, job_id, model), transaction=True)
         try:
@@ -49,10 +51,11 @@ def _taken_off(job_id: str, model: str) -> Steps[bool]:
     return bool(removed)
 
 
-def request_stop(job_id: str, model: str) -> Steps[bool]:
-    """Mark a started job for its worker to stop; whether it was started (and so marked)."""
+def request_stop(job_id: str, model: str, proof: bytes) -> Steps[bool]:
+    """Mark a started job for its worker to stop, with the stop token of its ``proof``
+    (redisfunctions.stop_token); whether it was started (and so marked)."""
     [reply] = yield from function_calls(
-        1, lambda pipe, _, by_eval: enqueue.add_request_stop(pipe, job_id, model, by_eval)
+        1, lambda pipe, _, by_eval: enqueue.add_request_stop(pipe, job_id, model, proof, by_eval)
     )
     if isinstance(reply, Exception):
         raise reply

@@ -343,10 +343,11 @@ def unique_outcome(model: str, ids: list[str], results: list[Any], unique: bool)
     return fresh, None
 
 
-def add_request_stop(pipe: Any, job_id: str, model: str, by_eval: bool = False) -> None:
-    """Queue the request to stop a started job (redisfunctions.STOP_FUNCTION, request_stop.lua): its
-    reply is 1 when the job was started (its worker stops it within about half a second), else 0."""
-    args = [keys.queue_name(model), int(layout.utcnow().timestamp())]
+def add_request_stop(pipe: Any, job_id: str, model: str, proof: bytes, by_eval: bool = False) -> None:
+    """Queue the request to stop a started job (redisfunctions.STOP_FUNCTION, request_stop.lua), its
+    mark the job's stop token made from its ``proof``: its reply is 1 when the job was started (its
+    worker stops it within about half a second), else 0."""
+    args = [keys.queue_name(model), redisfunctions.stop_token(proof)]
     if by_eval:
         pipe.eval(redisfunctions.stop_script_source(), 1, keys.job_key(job_id), *args)
     else:

@@ -49,8 +49,9 @@ class InferenceJob(enqueue.JobHandle["Producer"]):
     def cancel(self) -> bool:
         """Take the job off its queue if no worker has started it, else ask the worker running it to stop
         it (within about half a second; it then fails with JobStopped, RQ's status ``stopped``); returns whether
-        either was done (False: the job ended, or is unknown)."""
-        return self.producer.cancel(self.id, self.model)
+        either was done (False: the job ended, or is unknown; or it is started and this handle, from
+        ``job(id, model)``, lacks the nonce its stop token is made from)."""
+        return self.producer.cancel(self.id, self.model, self.proof)
 
 
 class Producer:
@@ -268,9 +269,9 @@ class Producer:
         responses = self.wait_responses([job.id for job in jobs], models, timeout, proofs)
         return [enqueue.check_served(response, job) for job, response in zip(jobs, responses, strict=True)]
 
-    def cancel(self, job_id: str, model: str) -> bool:
-        """Remove a queued job, or stop a started one (see InferenceJob.cancel)."""
-        return self._run(model, cancelling.cancel(job_id, model))
+    def cancel(self, job_id: str, model: str, proof: bytes | None = None) -> bool:
+        """Remove a queued job, or stop a started one with its ``proof`` (see InferenceJob.cancel)."""
+        return self._run(model, cancelling.cancel(job_id, model, proof))
 
     def _run(self, model: str, steps: Steps[T]) -> T:
         """Send what ``steps`` ask for to ``model``'s Redis, each reply back, until they return."""

@@ -33,6 +33,7 @@ def submit_many(
     """Validate every job (model, inputs, ids, queue room), then enqueue them all; returns their
     handles (``make``: the producer's handle class, bound to it). ``options``: checked already
     (checks.job_options), before anything else."""
+    checks.unique_needs_ids(unique, job_ids)  # before any round trip: nothing is sent
     signature = yield from lookups.checked_model(check, model, options.version)
     many = list(many_inputs)
     nonces = enqueue.new_nonces(len(many))

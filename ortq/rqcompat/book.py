@@ -155,7 +155,8 @@ class Book:
     ) -> None:
         """``version``: the model version the worker serves, whose parked jobs its starts take
         first, and that jobs pinned to another are parked for ('': none, every job starts);
-        ``parked_ttl``: seconds a parked list lives after its last job came (a request's ttl);
+        ``parked_ttl``: the most seconds a park makes a parked list live (a request's ttl; each park
+        raises the list's expiry to that of the parked job's request, at most this: start.lua);
         ``confirm``: the replicas each answer must reach (Settings.wait_replicas) before finish
         and fail return, else they raise NotReplicated (to be sent again: the scripts are fenced)."""
         self.connection = connection

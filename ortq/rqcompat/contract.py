@@ -44,7 +44,8 @@ SCRIPT_ARGS: dict[str, tuple[str, ...]] = {
     # now: epoch seconds; now_iso: RQ's ISO form; default_ttl: a job's heartbeat TTL without a
     # timeout; more: how many to pop after `first` (b"": none, pop them all); inline: the largest
     # frame returned in the reply; executions: 32 hex digits per job this call may start, joined;
-    # version: the model version served ('': none); parked_ttl: seconds a parked list lives.
+    # version: the model version served ('': none); parked_ttl: the most seconds a park makes a parked
+    # list live (a request's ttl: each park raises its expiry to the parked job's request's, at most this).
     "start": (
         "queue",
         "worker",

@@ -72,7 +72,7 @@ from ortq.worker.ownership import hand_on
 from ortq.worker.presence import Presence
 from ortq.worker.session import LoadedModel
 from ortq.worker.signals import StopSignals
-from ortq.worker.stops import STOP_POLL_SECONDS, Stops
+from ortq.worker.stops import COMMANDED, STOP_POLL_SECONDS, Stops
 from ortq.worker.upkeep import REDIS_OUTAGE_LIMIT, Upkeep
 from ortq.worker.watchdog import DEFAULT_STALL_SECONDS, Progress
 
@@ -175,7 +175,7 @@ class Worker:
             self._heartbeat,
             self._upkeep_beside,
             self.request_stop,
-            lambda job_id: self._stop_jobs([job_id]),  # RQ's stop-job command
+            lambda job_id: self._stop_jobs({job_id: COMMANDED}),  # RQ's stop-job command
             self._poll_stops,
             STOP_POLL_SECONDS,
         )
@@ -246,7 +246,7 @@ class Worker:
         if stops := self.presence.requested_stops(connection, STOP_POLL_SECONDS):
             self._stop_jobs(stops)
 
-    def _stop_jobs(self, job_ids: list[str]) -> None:
+    def _stop_jobs(self, job_ids: dict[str, bytes | None]) -> None:
         """Stop these jobs (ortq.worker.stops), those of them this worker holds."""
         held = [job.job_id for job in self.ledger.jobs()]
         if new := set(job_ids) & set(held) - {i for i in held if self.stops.requested(i)}:
@@ -411,7 +411,7 @@ class Worker:
         """One group: one run, the outputs split per job and encoded. If the run fails, each job
         runs alone so that only the bad one fails."""
         if self.stops.any:  # stops requested before the run: those jobs are not run
-            requested = [m for m in members if self.stops.requested(m.job.job_id)]
+            requested = [m for m in members if self.stops.applies(m.job.job_id, m.proof)]
             for member in requested:
                 outcome.failures.append(self._failure(member, JobStopped("stopped on request before it ran")))
             members = [m for m in members if m not in requested]
@@ -426,7 +426,7 @@ class Worker:
         stopped = False
         try:
             self.progress.run_began()
-            self.stops.run_began([m.job.job_id for m in members], options)
+            self.stops.run_began({m.job.job_id: m.proof for m in members}, options)
             try:
                 outputs = self.model.run(jobs.group_inputs(members), timeout=timeout, options=options)
             finally:

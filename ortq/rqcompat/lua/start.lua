@@ -52,15 +52,58 @@ local function skip(id, why)
   ns = ns + 2
 end
 
+-- A parked list lives as long as the longest-lived request of the jobs parked in it, never longer:
+-- each park raises its expiry to that job's request's (at most parked_ttl), never re-arms it to a
+-- full parked_ttl, so a list that nobody takes from is gone once every job in it could no longer
+-- run. Jobs at its head whose request is gone (expired, or cancelled) are dropped at each park (up
+-- to PARKED_LOOKED of them): a list kept alive by a park a day holds no job that cannot run.
+-- `parked_versions` (a set) names the versions that have a parked list, for readers (ortq info,
+-- the exporter), which may not SCAN; it lives as long as its longest-lived list.
+local PARKED_LOOKED = 16
+local parked_versions = K.parked .. model
+
+local function expire_at_least(key, seconds)
+  if redis.call('TTL', key) < seconds then redis.call('EXPIRE', key, seconds) end
+end
+
+-- Seconds the job's request still lives (its wait left), within 1 and parked_ttl; one without an
+-- expiry (no ortq producer writes that) counts as parked_ttl.
+local function request_life(id)
+  local left = redis.call('TTL', request_prefix .. id)
+  if left == -1 then left = parked_ttl end
+  return math.max(1, math.min(left, parked_ttl))
+end
+
+local function drop_expired_head(key)
+  local gone = 0
+  for _, id in ipairs(redis.call('LRANGE', key, 0, PARKED_LOOKED - 1)) do
+    if #id <= 128 and redis.call('EXISTS', request_prefix .. id) == 1 then break end
+    gone = gone + 1
+  end
+  if gone > 0 then redis.call('LPOP', key, gone) end
+end
+
+-- Name `pin` among the versions with a parked list, and forget a few whose list is gone.
+local function note_parked_version(pin, life)
+  own(parked_versions, 'set')
+  redis.call('SADD', parked_versions, pin)
+  for _, other in ipairs(redis.call('SRANDMEMBER', parked_versions, 4)) do
+    if redis.call('EXISTS', parked_prefix .. other) == 0 then redis.call('SREM', parked_versions, other) end
+  end
+  expire_at_least(parked_versions, life)
+end
+
 -- Leave a job pinned to another version for that version's workers (a key of another type there is
 -- no one's: it is replaced).
 local function park(id, pin)
   if #pin > 64 or not string.match(pin, '^[%w][%w_%.%-]*$') then return skip(id, 'pin') end
   local key = parked_prefix .. pin
-  local t = kind(key)
-  if t ~= 'list' and t ~= 'none' then redis.call('DEL', key) end
+  own(key, 'list')
+  drop_expired_head(key)
   redis.call('RPUSH', key, id)
-  redis.call('EXPIRE', key, parked_ttl)
+  local life = request_life(id)
+  expire_at_least(key, life)
+  note_parked_version(pin, life)
   return skip(id, 'parked')
 end
 

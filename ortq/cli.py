@@ -201,8 +201,15 @@ def stop(
     sys.exit(1 if still else 0)
 
 
-@main.command(epilog="Examples:\n\n\b\n  ortq demo\n  ortq demo --redis-url redis://127.0.0.1:6379/0")
-@_REDIS_URL
+#: ``ortq demo``'s --redis-url: its default is a Redis of its own, not the 6379 the other commands use.
+_DEMO_REDIS_URL = redis_url_option(
+    "Redis to use (default: $ORTQ_REDIS_URL, else a redis-server of its own on a free port of 127.0.0.1, "
+    "started for the demo and stopped after it)."
+)
+
+
+@main.command(epilog="Examples:\n\n\b\n  ortq demo\n  ortq demo --redis-url redis://redis-host:6379/0")
+@_DEMO_REDIS_URL
 @click.option("--workers", type=click.IntRange(1, 8), default=1, show_default=True, help="Worker processes.")
 def demo(redis_url: str | None, workers: int) -> None:
     """Classify the bundled held-out digits through a queue and a local worker.

@@ -38,6 +38,7 @@ def test_infer_and_info(
     )
     assert done.returncode == 0, done.stderr
     np.testing.assert_array_equal(np.load(out)["y"], x * 2 + 1)
+    assert done.stdout == f"wrote 1 output(s) to {out}\n"  # where it went, not the outputs again
 
     table = invoke("info", "--redis-url", redis_url)
     assert table.returncode == 0, table.stderr

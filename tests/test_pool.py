@@ -570,6 +570,25 @@ def test_a_pool_serves_restarts_a_killed_worker_and_stops_cleanly(
     names_left = {r["name"] for r in producer.workers(model_name)}
     assert names_left <= {killed_name}, "a cleanly stopped worker did not unregister"
     assert "got SIGTERM: stopping 2 workers" in pool.text()
+    assert_pool_exited_after_its_workers(pool.text(), model_name, live)
+
+
+def assert_pool_exited_after_its_workers(text: str, model_name: str, pids: list[int]) -> None:
+    """The pool's output ends with one line saying what stopped and its exit status, right after
+    its workers' last words and its own note of each one's exit: nothing else was waited for."""
+    lines = text.splitlines()
+    assert re.search(r" ortq\.pool INFO pool stopped \(got SIGTERM\): 2 workers stopped cleanly; exit status 0$",
+                     lines[-1]), text  # fmt: skip
+    noted = [
+        i
+        for i, line in enumerate(lines)
+        if re.search(rf"worker {model_name}\.\d \(pid ({'|'.join(map(str, pids))})\) stopped$", line)
+    ]
+    said = [
+        i for i, line in enumerate(lines) if re.search(rf"^{model_name}\.\d \| .* stopped \(exit status 0\)$", line)
+    ]
+    assert len(noted) == 2 and len(said) == 2, text
+    assert max(said) < min(noted) and noted == [len(lines) - 3, len(lines) - 2], text
 
 
 def test_a_worker_that_cannot_start_is_not_restarted_in_a_loop(

@@ -47,6 +47,7 @@ from rq.results import Result
 from rq_dashboard import web
 from rq_dashboard.version import VERSION as RQ_DASHBOARD_VERSION
 
+from ortq import keys
 from ortq.dashboard.records import (
     JOB_FIELDS,
     MAX_FIELDS,
@@ -285,11 +286,25 @@ def requeue_job(job_id: str, connection: redis.Redis, serializer: Any = None) ->
     return fetch(job_id, connection).requeue()
 
 
+def is_ortq_job(job: rq.job.Job) -> bool:
+    """Whether ``job`` is ortq's (an ortq queue's, or naming ortq's job function), which is never
+    requeued: its request tensors were deleted when it ended (ortq.dashboard.rqviews)."""
+    if keys.model_from_queue_name(job.origin or "") is not None:
+        return True
+    try:
+        return bool(job.func_name == keys.JOB_FUNC)
+    except Exception:  # data ortq cannot decode: not an ortq job
+        return False
+
+
 def serialize_job(job: rq.job.Job) -> dict[str, Any]:
-    """rq-dashboard's row of a job list, plus what of the job's record cannot be read."""
+    """rq-dashboard's row of a job list, plus what of the job's record cannot be read, and
+    ``requeue_refused`` for an ortq job (the patched row then shows no Requeue button)."""
     row: dict[str, Any] = _SERIALIZE_JOB(job)
     if isinstance(job, DashboardJob) and job.unreadable:
         row["unreadable"] = "; ".join(job.unreadable)
+    if is_ortq_job(job):
+        row["requeue_refused"] = True
     return row
 
 

@@ -30,7 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from ortq import keys
 from ortq.dashboard.records import describe
-from ortq.dashboard.rqdash import DashboardWorker, MetaEncoder, fetch, worker_keys
+from ortq.dashboard.rqdash import DashboardWorker, MetaEncoder, fetch, is_ortq_job, worker_keys
 from ortq.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ def job_info(instance_number: int, job_id: str) -> dict[str, Any]:
         ]
     if job.unreadable:
         info["unreadable"] = "; ".join(job.unreadable)
+    if is_ortq_job(job):
+        info["requeue_refused"] = True  # the patched page then shows no Requeue button (templates.py)
     return info
 
 
@@ -210,13 +212,7 @@ def _worker_row(worker: DashboardWorker) -> dict[str, Any]:
 def requeue_refusal(job: rq.job.Job) -> str | None:
     """Why ``job`` must not be requeued, or None. ortq jobs (an ortq queue's, or naming ortq's
     job function) must not: their request tensors were deleted when they ended."""
-    ortq_job = keys.model_from_queue_name(job.origin or "") is not None
-    if not ortq_job:
-        try:
-            ortq_job = job.func_name == keys.JOB_FUNC
-        except Exception:  # data ortq cannot decode: not an ortq job
-            ortq_job = False
-    if not ortq_job:
+    if not is_ortq_job(job):
         return None
     return (
         f"job {job.id} is an ortq job: its request tensors were deleted when it ended, so a requeued copy could "

@@ -17,7 +17,9 @@ app is created (not copies of them: what it patches is what the installed rq-das
   token is written into the page instead of being read from a cookie (rq-dashboard's script
   sends it with every jQuery request as ``X-CSRFToken``);
 * a banner shows why a request failed (a refused requeue, a record that cannot be read), and job
-  and worker rows show their ``unreadable`` notes (ortq.dashboard.rqviews).
+  and worker rows show their ``unreadable`` notes (ortq.dashboard.rqviews);
+* ortq jobs (``requeue_refused`` in their JSON) and ortq queues show no Requeue / Requeue All
+  button: ortq refuses every such requeue (an ended job's request tensors are gone).
 
 It refuses to start if a change no longer applies or if, once patched, any template still has a
 raw ``<%=``, a Jinja value in a script that is not ``|tojson``, or a ``|safe`` that does not
@@ -36,6 +38,7 @@ import rq_dashboard
 from jinja2 import BaseLoader, Environment, TemplateNotFound
 from rq_dashboard.version import VERSION as RQ_DASHBOARD_VERSION
 
+from ortq import keys
 from ortq.errors import ConfigurationError
 
 TEMPLATE_DIR = Path(rq_dashboard.__file__).parent / "templates"
@@ -96,6 +99,20 @@ PATCHES = (
         "<strong>Not readable</strong>:<br><%- d.unreadable %></p><% } %>\n",
     ),
     Patch("workers.html", "<%= d.name %>\n", "<%= d.name %>\n" + _UNREADABLE_ROW + "\n"),
+    # No Requeue buttons where ortq refuses every requeue (rqviews.requeue_refusal): an ortq job's row
+    # and page (``requeue_refused`` in its JSON), and an ortq queue's "Requeue All".
+    Patch(
+        "jobs.html",
+        '<% if (d.exc_info) { %>\n                <a href="#" data-role="requeue-job-btn"',
+        '<% if (d.exc_info && !d.requeue_refused) { %>\n                <a href="#" data-role="requeue-job-btn"',
+    ),
+    Patch(
+        "jobs.html",
+        "{% if registry_name == 'failed' %}\n        <a href=\"{{ url_for('rq_dashboard.requeue_all'",
+        f"{{% if registry_name == 'failed' and not queue.name.startswith({keys.PREFIX!r}) %}}\n"
+        "        <a href=\"{{ url_for('rq_dashboard.requeue_all'",
+    ),
+    Patch("scripts/job.js", 'if (job.status === "failed") {', 'if (job.status === "failed" && !job.requeue_refused) {'),
 )
 
 

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 \b
 Exit status: 0 stopped cleanly (SIGINT/SIGTERM/CTRL_BREAK) or every burst worker finished;
 1 some worker had to be killed or failed while stopping; 2 bad config or refused plan, or
-nothing left to run after giving up on workers. See docs/pool.md, deploy/pool.example.toml.
+nothing left to run after giving up on workers. See docs/pool.md, deploy/pool.example.toml
+(deploy/pool.cpu.example.toml: a CPU pool of the bundled digits model to start from).
 """
 )
 @click.option(

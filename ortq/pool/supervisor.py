@@ -47,6 +47,29 @@ class ExitRecord:
 
 
 @dataclass
+class _Stopped:
+    """What became of the workers the pool stopped: for its last line and its exit status."""
+
+    clean_exits: int = 0
+    killed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """Every worker exited 0 by itself."""
+        return not self.killed and not self.failed
+
+    def describe(self) -> str:
+        """``2 workers stopped cleanly``, and which were killed or exited non-zero."""
+        parts = [f"{self.clean_exits} worker{'' if self.clean_exits == 1 else 's'} stopped cleanly"]
+        if self.killed:
+            parts.append(f"killed {', '.join(self.killed)}")
+        if self.failed:
+            parts.append(f"exited non-zero: {', '.join(self.failed)}")
+        return ", ".join(parts)
+
+
+@dataclass
 class _Worker:
     """One slot's running state."""
 
@@ -105,21 +128,25 @@ class Supervisor:
         return {w.slot.label: w.process.pid for w in self._workers if w.process is not None}
 
     def run(self) -> int:
-        """Supervise until stopped; returns the pool's exit status (docs/pool.md)."""
+        """Supervise until stopped; returns the pool's exit status (docs/pool.md), which its last
+        log line gives with what stopped."""
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._supervise()
         finally:
-            clean = self._shutdown()
+            stopped = self._shutdown()
         if self._stopping:
-            return 0 if clean else 1
+            status = 0 if stopped.clean else 1
+            log.log(logging.INFO if stopped.clean else logging.WARNING,
+                    "pool stopped (%s): %s; exit status %d", self._why, stopped.describe(), status)  # fmt: skip
+            return status
         # Nothing left to run: every worker finished its burst, or the pool gave up on it.
         gave_up = [w.slot.label for w in self._workers if w.history.configuration_errors]
         if gave_up:
-            log.error("no workers left to run: gave up on %s", ", ".join(gave_up))
+            log.error("no workers left to run: gave up on %s; exit status 2", ", ".join(gave_up))
             return 2
-        log.info("every worker has finished")
+        log.info("every worker has finished; exit status 0")
         return 0
 
     # ------------------------------------------------------------------ the loop
@@ -218,40 +245,61 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
 
-    def _shutdown(self) -> bool:
-        """Ask every running worker to stop, wait up to the grace period, kill the rest; True when
-        all of them exited 0 by themselves."""
+    def _shutdown(self) -> _Stopped:
+        """Ask every running worker to stop, wait until they have exited (up to the grace period),
+        kill the rest; what became of them."""
         running = [w for w in self._workers if w.process is not None and w.process.poll() is None]
         for worker in self._workers:
             worker.next_start = None
         for worker in running:
             self._send_stop(worker)
-        deadline = time.monotonic() + self.grace_seconds
-        while not self._force and time.monotonic() < deadline:
-            if all(w.process is None or w.process.poll() is not None for w in running):
-                break
-            time.sleep(POLL_SECONDS)
-        clean = True
+        self._wait_exited(running, time.monotonic() + self.grace_seconds)
+        stopped = _Stopped()
         for worker in self._workers:
-            process = worker.process
-            if process is None:
-                continue
-            if process.poll() is None:
-                why = "a second stop request" if self._force else f"the {self.grace_seconds:g} s grace period"
-                log.warning("worker %s (pid %d) still running after %s: killing it", worker.slot.label,
-                            process.pid, why)  # fmt: skip
-                process.kill()
-                process.wait()
-                clean = False
-            elif process.returncode != 0:
-                log.warning("worker %s (pid %d) %s while stopping", worker.slot.label, process.pid,
-                            describe_exit(process.returncode))  # fmt: skip
-                clean = False
-            else:
-                log.info("worker %s (pid %d) stopped", worker.slot.label, process.pid)
+            if worker.process is not None:
+                self._reap(worker, stopped)
+        return stopped
+
+    def _reap(self, worker: _Worker, stopped: _Stopped) -> None:
+        """Kill ``worker`` if it still runs, take its last output, and note in ``stopped`` (and the
+        log) how it ended."""
+        process = worker.process
+        assert process is not None
+        worker.process = None
+        if process.poll() is None:
+            why = "a second stop request" if self._force else f"the {self.grace_seconds:g} s grace period"
+            log.warning("worker %s (pid %d) still running after %s: killing it", worker.slot.label, process.pid, why)
+            process.kill()
+            process.wait()
             self._finish_relay(worker)
-            worker.process = None
-        return clean
+            stopped.killed.append(worker.slot.label)
+            return
+        self._finish_relay(worker)  # its last words come before the pool's note of its exit
+        if process.returncode != 0:
+            log.warning("worker %s (pid %d) %s while stopping", worker.slot.label, process.pid,
+                        describe_exit(process.returncode))  # fmt: skip
+            stopped.failed.append(worker.slot.label)
+        else:
+            log.info("worker %s (pid %d) stopped", worker.slot.label, process.pid)
+            stopped.clean_exits += 1
+
+    def _wait_exited(self, workers: Sequence[_Worker], deadline: float) -> None:
+        """Return as soon as every one of ``workers`` has exited, at ``deadline``, or on a second
+        stop request. Each wait is on the process itself (Popen.wait looks every few ms), not a
+        sleep of POLL_SECONDS: the pool exits right after its last worker does."""
+        for worker in workers:
+            process = worker.process
+            assert process is not None
+            while not self._force:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                try:
+                    # In slices, so that a second stop request (a flag set by the signal handler) is seen.
+                    process.wait(min(remaining, POLL_SECONDS))
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
 
     def _send_stop(self, worker: _Worker) -> None:
         assert worker.process is not None

@@ -90,6 +90,16 @@ def job_options(
     )
 
 
+def unique_needs_ids(unique: object, job_ids: object) -> None:
+    """ConfigurationError for ``unique=True`` without chosen ids: uniqueness is by id, and a job
+    without one gets a fresh random id, so the flag would be accepted and do nothing."""
+    if unique and job_ids is None:
+        raise ConfigurationError(
+            "unique=True needs a job_id (job_ids for submit_many): a job is unique by the id you choose, and "
+            "without one each submit gets a new random id; nothing was enqueued"
+        )
+
+
 def wait_timeout(timeout: object) -> float:
     """A ``timeout`` to wait for results: seconds >= 0 (``math.inf``: as long as it takes)."""
     number = _number(timeout)

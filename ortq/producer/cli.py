@@ -78,7 +78,7 @@ worker failed the job; with --input-dir: any file failed).
     "output_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write the outputs to this .npz file (default: print a summary).",
+    help="Write the outputs to this .npz file and print only where (default: print a summary of each).",
 )
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the result.")
 @redis_url_option()
@@ -113,8 +113,10 @@ def infer(
             check_castable(inputs, signature)
         outputs = _infer_showing_progress(producer, model_name, inputs, timeout)
     if output_path is not None:
+        # The file holds the outputs: one line says where, rather than the arrays again.
         np.savez(output_path, **outputs)  # type: ignore[arg-type]
         click.echo(f"wrote {len(outputs)} output(s) to {output_path}")
+        return
     for name, value in outputs.items():
         click.echo(f"{name}: {value.dtype}{list(value.shape)} {np.array2string(value, threshold=20)}")
 

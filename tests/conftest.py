@@ -11,8 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -113,6 +114,51 @@ def worker_command(model_path: Path, name: str, redis_url: str, *extra: str) -> 
             "--redis-url", redis_url, "--threads", "1", *extra]  # fmt: skip
 
 
+#: The bound on a wait for a process that neither says what it was waited for nor exits: a hang's
+#: bound, never a timing. Every wait for a process below ends as soon as the process reports (its
+#: ready line, its record) or exits, however loaded the machine; this only ends one whose process
+#: says nothing for minutes. Below pytest-timeout's 300 s a test (pyproject.toml), so that such a
+#: hang fails saying what was waited for, with the process's last lines, not with a stack dump.
+PROCESS_SAFETY_SECONDS = 240.0
+
+
+def last_lines(path: Path, count: int = 40) -> str:
+    """The last ``count`` lines of a process's log (all of it when shorter), for a failure message."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    shown = "\n".join(lines[-count:])
+    return shown if len(lines) <= count else f"(last {count} of {len(lines)} lines)\n{shown}"
+
+
+def wait_for_process(
+    process: subprocess.Popen[Any],
+    log_path: Path,
+    what: str,
+    reported: Callable[[], bool],
+    safety: float = PROCESS_SAFETY_SECONDS,
+) -> None:
+    """Wait until ``reported()`` (what the process says: a line in its log, a record it writes) or
+    the process exits. Exiting first fails, and so does ``safety`` seconds of neither (a hang, see
+    PROCESS_SAFETY_SECONDS); both failures name ``what`` was waited for and show the log's end."""
+    deadline = time.monotonic() + safety
+    while not reported():
+        if process.poll() is not None:
+            if reported():  # it reported just before it exited (a burst worker may end at once)
+                return
+            raise AssertionError(
+                f"waited for {what}; the process (pid {process.pid}) exited with {process.returncode} first. "
+                f"{log_path}:\n{last_lines(log_path)}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"waited for {what}; the process (pid {process.pid}) neither did so nor exited within "
+                f"{safety:g} s (a hang). {log_path}:\n{last_lines(log_path)}"
+            )
+        time.sleep(0.05)
+
+
 class WorkerProcesses:
     """Starts ``ortq worker`` subprocesses and always stops them, keeping their logs for failures."""
 
@@ -135,19 +181,28 @@ class WorkerProcesses:
     def serve(
         self, model_path: Path, name: str, redis_url: str, count: int = 1, *extra: str, watch_url: str | None = None
     ) -> None:
-        """Start ``count`` workers and wait until they have all published their records (read
-        through ``watch_url`` when the workers' own user may not read them, as under an ACL)."""
-        for _ in range(count):
-            self.start(model_path, name, redis_url, *extra)
+        """Start ``count`` workers and wait until each has published its record (read through
+        ``watch_url`` when the workers' own user may not read them, as under an ACL)."""
+        started = [self.start(model_path, name, redis_url, *extra) for _ in range(count)]
         with Producer(settings=Settings.from_url(watch_url or redis_url)) as producer:
-            deadline = time.monotonic() + 60
-            while len(producer.workers(name)) < count:
-                for process, log_path in self.processes:
-                    if process.poll() is not None:
-                        raise AssertionError(f"worker exited with {process.returncode}:\n{log_path.read_text()}")
-                if time.monotonic() > deadline:
-                    raise AssertionError("workers did not start:\n" + self.logs())
-                time.sleep(0.05)
+            for process in started:
+                self.wait_serving(process, name, producer)
+
+    def wait_serving(self, process: subprocess.Popen[bytes], name: str, producer: Producer) -> None:
+        """Wait until the worker ``process`` (started here) serves ``name``: its record, with its
+        pid, is among ``producer``'s view of the model's workers, or its log has the line it
+        writes just after publishing it ("worker ... serving model ..."); fails if it exits first."""
+        log_path = next(path for started, path in self.processes if started is process)
+        line = f" serving model {name!r} on "
+
+        def reported() -> bool:
+            if line in log_path.read_text(errors="replace"):
+                return True
+            return any(record.get("pid") == process.pid for record in producer.workers(name))
+
+        wait_for_process(
+            process, log_path, f"worker pid {process.pid} to publish its record for model {name!r}", reported
+        )
 
     def logs(self) -> str:
         return "\n".join(f"--- {p}\n{p.read_text(errors='replace')}" for _, p in self.processes)
@@ -171,13 +226,14 @@ def workers(tmp_path: Path) -> Iterator[WorkerProcesses]:
     group.stop_all()
 
 
-def eventually(check: object, timeout: float = 10.0) -> None:
-    """Wait for ``check()`` to become true: RQ's bookkeeping lands just after the reply (reply first)."""
+def eventually(check: object, timeout: float = 10.0, what: str = "") -> None:
+    """Wait for ``check()`` to become true: RQ's bookkeeping lands just after the reply (reply first).
+    ``what``: the condition in words, for the failure message."""
     assert callable(check)
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"still false after {timeout} s: {check}")
+            raise AssertionError(f"still false after {timeout} s: {what or check}")
         time.sleep(0.02)
 
 
@@ -195,11 +251,15 @@ class Pool:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait(self, timeout: float = 60) -> int:
+    def wait(self, timeout: float = PROCESS_SAFETY_SECONDS) -> int:
+        """Its exit status, once it exits (``timeout``: a hang's bound, PROCESS_SAFETY_SECONDS)."""
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the pool did not exit within {timeout} s:\n{self.text()}") from None
+            raise AssertionError(
+                f"waited for the pool (pid {self.process.pid}) to exit; it did not within {timeout:g} s. "
+                f"{self.log}:\n{last_lines(self.log)}"
+            ) from None
 
 
 @pytest.fixture

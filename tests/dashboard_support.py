@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import selectors
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import redis
 
 from ortq import keys
-from tests.conftest import REPO
+from tests.conftest import PROCESS_SAFETY_SECONDS, REPO, last_lines
 
 BAN = Path(__file__).parent / "pickle_ban"
 
@@ -159,10 +160,27 @@ def start_dashboard(
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO, env=environment
         )
-    assert process.stdout is not None
-    line = process.stdout.readline()  # "ortq dashboard on http://127.0.0.1:PORT/ ..." once listening
-    assert line.startswith("ortq dashboard on http://"), f"{line!r}\n{log.read_text()}"
+    # "ortq dashboard on http://127.0.0.1:PORT/ ..." once listening
+    line = first_line(process, log, "the dashboard's line 'ortq dashboard on http://...'")
+    assert line.startswith("ortq dashboard on http://"), f"{line!r}\n{last_lines(log)}"
     return Dashboard(process, line.split()[3], log, trap)
+
+
+def first_line(process: subprocess.Popen[str], log: Path, what: str) -> str:
+    """The first line ``process`` prints on its stdout pipe (its ready line), once it does: the wait
+    ends when the line comes or the process exits (an empty line then), and fails only if the
+    process does neither within PROCESS_SAFETY_SECONDS (a hang), naming ``what`` it waited for."""
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(PROCESS_SAFETY_SECONDS):
+            process.kill()
+            process.wait()
+            raise AssertionError(
+                f"waited for {what}; the process (pid {process.pid}) neither printed it nor exited within "
+                f"{PROCESS_SAFETY_SECONDS:g} s (a hang). {log}:\n{last_lines(log)}"
+            )
+    return process.stdout.readline()  # a whole line: the process prints it at once, flushed
 
 
 STOCK_SERVER = """
@@ -188,9 +206,8 @@ def start_stock_rq_dashboard(redis_url: str, log_dir: Path) -> Dashboard:
     with open(log, "w") as log_file:
         process = subprocess.Popen([sys.executable, "-c", STOCK_SERVER, redis_url], stdout=subprocess.PIPE,
                                    stderr=log_file, text=True, cwd=REPO, env=environment)  # fmt: skip
-    assert process.stdout is not None
-    line = process.stdout.readline().strip()
-    assert line.startswith("http://"), f"{line!r}\n{log.read_text()}"
+    line = first_line(process, log, "rq-dashboard's address line 'http://...'").strip()
+    assert line.startswith("http://"), f"{line!r}\n{last_lines(log)}"
     return Dashboard(process, line, log, trap)
 
 

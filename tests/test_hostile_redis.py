@@ -34,7 +34,7 @@ from ortq.rqcompat import layout, records
 from ortq.rqcompat.book import Book
 from ortq.settings import Settings
 from ortq.worker.upkeep import Upkeep
-from tests.conftest import WorkerProcesses, eventually
+from tests.conftest import WorkerProcesses, eventually, wait_for_process
 from tests.test_fuzz import job_fields
 
 #: Seconds within which a good job is served again after an attack.
@@ -98,6 +98,17 @@ class Served:
         assert self.r.xlen(key) == 1, "answered more than once"
         [(_, fields)] = self.r.xrange(key)
         return wire.decode_response(fields[b"frame"])
+
+    def wait_logged(self, text: str, what: str) -> None:
+        """Until the worker's log has ``text`` (fails if the worker exits first, or after a hang)."""
+        process, log_path = self.workers.processes[0]
+        wait_for_process(process, log_path, what, lambda: text in log_path.read_text(errors="replace"))
+
+    def skipped(self, job_id: str) -> None:
+        """Until the worker says it took a queue entry of ``job_id`` and did not start it (its
+        "queue entry ... skipped" line): an entry pushed again has then been dealt with."""
+        self.wait_logged(f"queue entry {job_id.encode()!r} of {keys.queue_name(self.model)} skipped",
+                         f"the worker's line saying it skipped a second entry of job {job_id}")  # fmt: skip
 
     def failed_with(self, job_id: str, error_type: str) -> None:
         response = self.reply(job_id)
@@ -332,7 +343,8 @@ def test_a_job_pushed_twice_is_answered_once(served: Served) -> None:
     served.r.rpush(keys.queue_key(served.model), job_id)
     response = served.reply(job_id)
     assert response.ok
-    time.sleep(1.0)  # the second entry is taken meanwhile: it must not answer again
+    served.skipped(job_id)  # the second entry taken and not run: it must not answer again
+    eventually(lambda: served.r.xlen(layout.results_key(job_id)) >= 1, 60)  # RQ's result, just after the reply
     assert served.r.xlen(keys.reply_key(served.model, job_id)) == 1
     assert served.r.xlen(layout.results_key(job_id)) == 1
 
@@ -342,8 +354,7 @@ def test_a_finished_job_pushed_again_is_not_run_again(served: Served) -> None:
     first = job.result(timeout=BOUND)
     eventually(lambda: served.r.xlen(layout.results_key(job.id)) == 1)
     served.r.rpush(keys.queue_key(served.model), job.id)
-    eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0)
-    time.sleep(0.5)
+    served.skipped(job.id)  # the entry pushed again taken and not run
     assert served.r.xlen(layout.results_key(job.id)) == 1 and served.r.xlen(keys.reply_key(served.model, job.id)) == 1
     np.testing.assert_array_equal(job.result(timeout=1)["y"], first["y"])
     assert job.status() == "finished"
@@ -412,10 +423,14 @@ def test_sixty_thousand_forged_intermediate_entries_block_nothing(served: Served
 def test_commands_on_the_workers_channel_do_not_stop_it(served: Served) -> None:
     name = served.producer.workers(served.model)[0]["name"]
     channel = layout.pubsub_channel(name)
+    unreadable, other = "ignoring an unreadable command on", "ignoring command 'kill-horse'"
+    before = served.workers.logs().count(unreadable)
     for payload in (b"not json", b"[1, 2]", b"{" * 100_000, json.dumps({"command": "kill-horse"}).encode()):
-        served.r.publish(channel, payload)
-    time.sleep(1.0)
-    served.alive()
+        assert served.r.publish(channel, payload) == 1, "the worker is not subscribed to its channel"
+    # The worker read all four (in order: the last one's line comes after the others').
+    served.wait_logged(other, "the worker's line for the 'kill-horse' command")
+    assert served.workers.logs().count(unreadable) == before + 3, served.workers.logs()[-4000:]
+    served.serves_a_good_job()
 
 
 def test_frames_far_over_the_limit_are_refused_without_being_read(served: Served) -> None:

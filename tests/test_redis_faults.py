@@ -4,6 +4,7 @@ every write, as docs/reliability.md asks of a production Redis) and restarts it.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,22 +92,37 @@ def test_a_primary_that_refuses_writes_is_an_outage_the_worker_backs_off_from(
 ) -> None:
     """NOREPLICAS (``min-replicas-to-write`` with no replica: what a primary says during a failover,
     docs/ha.md) refuses the worker's BLMOVE: the worker waits and retries with a backoff, as for an
-    unreachable Redis, instead of retrying at once in a loop, and serves again once writes are allowed."""
-    import time
+    unreachable Redis, instead of retrying at once in a loop, and serves again once writes are allowed.
+    The test reads the backoff from the worker's log (three refusals, each saying how long it waits,
+    each logged at least that long after the one before), not from how many fit in a fixed sleep."""
+    from datetime import datetime
 
     import redis
 
+    from tests.conftest import wait_for_process
+
+    refusal = re.compile(
+        r"^(\S+ \S+) \S+ ERROR Redis unavailable \(Redis refused the take: NOREPLICAS[^\n]*\); retrying in ([\d.]+) s$",
+        re.MULTILINE,
+    )
     with LocalRedis() as server:
         url = f"redis://127.0.0.1:{server.port}/0"
         workers.serve(tiny_path, model_name, url)
         admin = redis.Redis(port=server.port)
         admin.config_set("min-replicas-to-write", 1)
-        time.sleep(3)
+        ((process, log_path),) = workers.processes
+        wait_for_process(process, log_path, "three NOREPLICAS refusals in the worker's log",
+                         lambda: len(refusal.findall(log_path.read_text(errors="replace"))) >= 3)  # fmt: skip
         admin.config_set("min-replicas-to-write", 0)
-        log = workers.logs()
-        refusals = log.count("Redis refused the take")
-        assert 1 <= refusals <= 10, log[-2000:]  # 0.5 s, 1 s, 2 s ... apart, not one a millisecond
-        assert "NOREPLICAS" in log
+        found = refusal.findall(workers.logs())
+        waits = [float(wait) for _, wait in found]
+        assert waits[:3] == [0.5, 1.0, 2.0], found  # doubling, up to 5 s
+        assert all(wait <= 5.0 for wait in waits), found
+        # Each refusal came no sooner than the wait the one before announced (asctime's milliseconds):
+        # a lower bound only, which no load can break; a retry loop without the wait fails it.
+        moments = [datetime.strptime(moment, "%Y-%m-%d %H:%M:%S,%f") for moment, _ in found[:3]]
+        for step in (0, 1):
+            assert (moments[step + 1] - moments[step]).total_seconds() >= waits[step] - 0.01, found
         x = np.ones((1, 4), np.float32)
         with Producer(settings=Settings.from_url(url)) as producer:
             expected = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

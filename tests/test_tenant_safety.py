@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 import secrets
 import struct
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -185,14 +184,24 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
         producer.submit(MODEL, X)
 
 
+def _all_suspended(tenants: Tenants) -> bool:
+    """Every worker of both models says, in RQ's record of it, that it is suspended (state
+    ``suspended``, which it writes when a take finds the suspension, before waiting instead of
+    taking): none is taking, and none takes again until the suspension ends."""
+    with Producer(settings=Settings.from_url(tenants.server.url)) as admin:  # the admin reads every record
+        names = [record["name"] for model in (MODEL, OTHER) for record in admin.workers(model)]
+    assert len(names) == 2, names  # the fixture's two workers, one a model
+    return all(tenants.admin.hget(layout.worker_key(name), "state") == b"suspended" for name in names)
+
+
 @contextmanager
 def held_in_the_queue(tenants: Tenants) -> Iterator[None]:
-    """Workers take no job meanwhile (RQ's suspension, which they check before each take at most
-    once a second, a take blocking at most a second): a job submitted inside waits in its queue."""
+    """Workers take no job meanwhile (RQ's suspension): a job submitted inside waits in its queue.
+    Entered once every worker has said it is suspended (its RQ state), whatever that took."""
     suspended = layout.suspended_key()
     tenants.admin.set(suspended, 1)
-    time.sleep(2.5)
     try:
+        eventually(lambda: _all_suspended(tenants), 90, "every worker's RQ state 'suspended'")
         yield
     finally:
         tenants.admin.delete(suspended)

@@ -24,7 +24,8 @@ def frames_in(reply: Any) -> dict[str, bytes | CorruptRecord]:
     ``[(stream, entries)]`` or RESP3's ``{stream: entries}``. (A reply key ends with its job id,
     after the last colon: ids have none.)"""
     found: dict[str, bytes | CorruptRecord] = {}
-    for stream, entries in reply.items() if isinstance(reply, dict) else reply or []:
+    streams = [(k, _unwrapped(v)) for k, v in reply.items()] if isinstance(reply, dict) else reply or []
+    for stream, entries in streams:
         key = keys.as_text(stream)
         job_id = key.rpartition(":")[2]
         try:
@@ -32,6 +33,16 @@ def frames_in(reply: Any) -> dict[str, bytes | CorruptRecord]:
         except CorruptRecord as exc:
             found[job_id] = exc
     return found
+
+
+def _unwrapped(entries: Any) -> Any:
+    """A RESP3 XREAD reply's entries: redis-py wraps each stream's list of entries in one list more
+    (``{stream: [[(id, fields), ...]]}``); an entry's first item is its id (bytes)."""
+    if isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], list):
+        inner = entries[0]
+        if not inner or not isinstance(inner[0], bytes | str):
+            return inner
+    return entries
 
 
 def read_refusal(exc: redis.RedisError) -> OrtqError | None:

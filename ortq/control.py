@@ -29,10 +29,11 @@ def worker_records(connection: redis.Redis) -> list[tuple[str, dict[str, Any] | 
     raw_names = connection.srandmember(keys.WORKERS_SET, MAX_WORKERS) or []
     names = sorted({n.decode(errors="replace") for n in raw_names if isinstance(n, bytes) and len(n) <= 256})
     records = connection.mget([keys.worker_key(n) for n in names]) if names else []  # nil for wrong types
-    return [(name, _record(raw)) for name, raw in zip(names, records, strict=True)]
+    return [(name, parse_record(raw)) for name, raw in zip(names, records, strict=True)]
 
 
-def _record(raw: object) -> dict[str, Any] | None:
+def parse_record(raw: object) -> dict[str, Any] | None:
+    """A worker record read from Redis (hostile input): its JSON object, or None."""
     if not isinstance(raw, bytes) or len(raw) > 1 << 20:
         return None
     try:

@@ -143,7 +143,12 @@ def test_backpressure_and_payload_limits(
     # The worker's own limit, checked before decoding: a frame over it fails that job alone.
     monkeypatch.setenv("ORTQ_MAX_FRAME_BYTES", "1000")
     workers.serve(tiny_path, model_name, redis_url)
-    big = Producer(settings=Settings.from_url(redis_url)).submit(model_name, {"x": np.ones((100, 4), np.float32)})
+    # A producer reads that limit in the signature record and refuses the frame itself...
+    with pytest.raises(PayloadTooLarge, match="max_frame_bytes \\(1000,"):
+        Producer(settings=Settings.from_url(redis_url)).submit(model_name, {"x": np.ones((100, 4), np.float32)})
+    # ... and one that does not read it (validate=False: no signature) gets the worker's answer.
+    unchecked = Producer(settings=Settings.from_url(redis_url), validate=False)
+    big = unchecked.submit(model_name, {"x": np.ones((100, 4), np.float32)})
     with pytest.raises(InferenceFailed) as caught:
         big.result(timeout=30)
     assert caught.value.remote_type == "PayloadTooLarge"

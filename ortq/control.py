@@ -19,16 +19,23 @@ from ortq import keys
 MAX_WORKERS = 10_000
 
 
-def worker_records(connection: redis.Redis) -> list[tuple[str, dict[str, Any] | None]]:
+def worker_records(connection: redis.Redis, by_get: bool = False) -> list[tuple[str, dict[str, Any] | None]]:
     """Every name in the workers set with its published record, or None where that expired (a
     worker that died without unregistering) or cannot be read (a live worker rewrites its record
     at its next heartbeat). Records are hostile input: a set or record of the wrong type or
-    content is skipped, never an error."""
+    content is skipped, never an error. ``by_get``: the records read by GETs in one pipeline, not
+    one MGET (a worker's ACL rule grants GET alone: docs/security.md)."""
     if keys.as_text(connection.type(keys.WORKERS_SET)) != "set":
         return []
     raw_names = connection.srandmember(keys.WORKERS_SET, MAX_WORKERS) or []
     names = sorted({n.decode(errors="replace") for n in raw_names if isinstance(n, bytes) and len(n) <= 256})
-    records = connection.mget([keys.worker_key(n) for n in names]) if names else []  # nil for wrong types
+    if not by_get:
+        records = connection.mget([keys.worker_key(n) for n in names]) if names else []  # nil for wrong types
+    else:
+        with connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(keys.worker_key(name))
+            records = pipe.execute(raise_on_error=False)  # an error (a wrong type) is no record
     return [(name, parse_record(raw)) for name, raw in zip(names, records, strict=True)]
 
 

@@ -260,11 +260,6 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
 MOST_PARKED_VERSIONS = 100
 
 
-def parked_versions_key(model: str) -> str:
-    """The set of the versions that have a parked list of ``model``'s (start.lua writes it)."""
-    return keys.PARKED_PREFIX + model
-
-
 def parked_jobs(
     connection: redis.Redis, models: list[str], published: Mapping[str, list[str]]
 ) -> tuple[dict[str, dict[str, int]], int]:
@@ -275,8 +270,8 @@ def parked_jobs(
     round trips in all. A key of another type shows as none (collect's rule)."""
     with connection.pipeline(transaction=False) as pipe:
         for model in models:
-            pipe.scard(parked_versions_key(model))
-            pipe.srandmember(parked_versions_key(model), MOST_PARKED_VERSIONS)
+            pipe.scard(keys.parked_versions_key(model))
+            pipe.srandmember(keys.parked_versions_key(model), MOST_PARKED_VERSIONS)
         replies = pipe.execute(raise_on_error=False) if models else []
     looked: list[tuple[str, str]] = []
     skipped = 0

@@ -125,6 +125,12 @@ def parked_key(model: str, version: str) -> str:
     return PARKED_PREFIX + model + "@" + version
 
 
+def parked_versions_key(model: str) -> str:
+    """Set of the versions that have a parked list of ``model``'s, for readers that may not SCAN
+    (start.lua writes it). Written by workers only."""
+    return PARKED_PREFIX + model
+
+
 def worker_key(worker_name: str) -> str:
     """JSON record of one worker (model, provider, device, host, pid); expires unless refreshed."""
     return PREFIX + "worker:" + worker_name

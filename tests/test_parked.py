@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ortq import keys
 from ortq.dashboard.app import create_app
 from ortq.exporter import PARKED, QueueCollector
-from ortq.info import MOST_PARKED_VERSIONS, collect, format_info, parked_versions_key
+from ortq.info import MOST_PARKED_VERSIONS, collect, format_info
 from ortq.producer import Producer
 from ortq.rqcompat.book import Book
 from ortq.settings import Settings
@@ -68,15 +68,15 @@ def test_a_parked_list_lives_as_long_as_its_longest_lived_request_never_longer(
     first = pinned_job(connection, model_name, "v9", 500)
     assert park(book) == [first]
     assert 490 <= connection.ttl(parked) <= 500  # not PARKED_TTL
-    assert connection.smembers(parked_versions_key(model_name)) == {b"v9"}
-    assert 490 <= connection.ttl(parked_versions_key(model_name)) <= 500
+    assert connection.smembers(keys.parked_versions_key(model_name)) == {b"v9"}
+    assert 490 <= connection.ttl(keys.parked_versions_key(model_name)) <= 500
     shorter = pinned_job(connection, model_name, "v9", 100)
     assert park(book) == [shorter]
     assert 490 <= connection.ttl(parked) <= 500  # not lowered: the first job may still run
     longer = pinned_job(connection, model_name, "v9", 800)
     assert park(book) == [longer]
     assert 790 <= connection.ttl(parked) <= 800
-    assert 790 <= connection.ttl(parked_versions_key(model_name)) <= 800
+    assert 790 <= connection.ttl(keys.parked_versions_key(model_name)) <= 800
     assert connection.lrange(parked, 0, -1) == [first.encode(), shorter.encode(), longer.encode()]
 
 
@@ -168,7 +168,7 @@ def test_readers_look_at_a_bounded_number_of_parked_versions_and_say_so(
     large: a reader looks at MOST_PARKED_VERSIONS of it a model and says how many it left out. The
     lists and the set are written as start.lua writes them."""
     versions = [f"p{i}" for i in range(MOST_PARKED_VERSIONS + 20)]
-    connection.sadd(parked_versions_key(model_name), *versions)
+    connection.sadd(keys.parked_versions_key(model_name), *versions)
     for version in versions:
         connection.rpush(keys.parked_key(model_name, version), str(uuid.uuid4()))
     connection.sadd(keys.RQ_QUEUES_SET, keys.queue_key(model_name))
@@ -176,7 +176,7 @@ def test_readers_look_at_a_bounded_number_of_parked_versions_and_say_so(
     try:
         info = collect(connection)
     finally:  # nothing of this is left on the Redis the other tests share
-        connection.delete(parked_versions_key(model_name), *(keys.parked_key(model_name, v) for v in versions))
+        connection.delete(keys.parked_versions_key(model_name), *(keys.parked_key(model_name, v) for v in versions))
         connection.srem(keys.RQ_QUEUES_SET, keys.queue_key(model_name))
     [model] = [m for m in info["models"] if m["model"] == model_name]
     assert len(model["parked"]) == MOST_PARKED_VERSIONS

@@ -299,6 +299,8 @@ class Worker:
         replier.thread.start()
         try:
             self._run_batches()
+            if isinstance(threads.fatal, DeviceLost):  # the feeder's, running a lone request itself
+                raise threads.fatal
         except DeviceLost as exc:
             log.critical("%s; requeueing this worker's jobs and exiting with status %d", exc, EXIT_DEVICE_LOST)
             raise
@@ -355,13 +357,11 @@ class Worker:
     def _run_alone(self, batch: TakenBatch, book: Book) -> None:
         """A batch the feeder took for an idle worker (ortq.worker.overlap.Feeder._alone), checked,
         run and answered (through ``book``, the feeder's) on the feeder's thread: no hand-over.
-        Raises what ends the worker (DeviceLost, errors in a row), as the main thread's loop does."""
+        Raises what ends the worker (DeviceLost, errors in a row): the feeder hands it to the main
+        thread, which says it and ends the worker."""
         outcome = Outcome([t.started for t in batch.taken])
         try:
             self._run_batch(batch, outcome)
-        except DeviceLost as exc:
-            log.critical("%s; requeueing this worker's jobs and exiting with status %d", exc, EXIT_DEVICE_LOST)
-            raise
         finally:
             self.replier.answer(outcome, book)
 

@@ -288,10 +288,9 @@ class Feeder:
         max_batch: int,
         max_wait: float,
         burst: bool,
-        run_alone: Callable[[TakenBatch, Book], None] | None = None,
+        run_alone: Callable[[TakenBatch, Book], None],
     ) -> None:
-        """``run_alone``: checks, runs and answers a batch on the calling thread (the worker's;
-        None: every batch goes to the main thread)."""
+        """``run_alone``: checks, runs and answers a batch on the calling thread (the worker's)."""
         self.threads = threads
         self.run_alone = run_alone
         self.connection = book.connection
@@ -405,14 +404,13 @@ class Feeder:
         overlap (the next batch is taken while this one runs), and so does ``--prefetch`` N > 0
         (N batches taken ahead whatever the runs)."""
         threads = self.threads
-        if self.run_alone is None or self.intake.backlog or (threads.ahead.prefetch or 0) > 0:
+        if self.intake.backlog or (threads.ahead.prefetch or 0) > 0:
             return False
         return not threads.device_lost.is_set() and threads.main_idle()
 
     def _run_alone(self, taken: list[Taken]) -> None:
         """Stages **check** to **answer** of a batch on this thread (the main thread waits for the
         next one it is handed). What it raises ends the worker (DeviceLost, errors in a row)."""
-        assert self.run_alone is not None
         threads = self.threads
         threads.ran_alone += 1
         threads.running_alone = True

@@ -18,7 +18,7 @@ from typing import Any, cast
 import redis
 
 from ortq import keys, redisfaults, redisfunctions
-from ortq.control import MAX_WORKERS, parse_record
+from ortq.control import worker_records
 from ortq.errors import WireFormatError
 from ortq.rqcompat import layout
 from ortq.rqcompat.book import StartedJob
@@ -247,13 +247,13 @@ class Presence:
         except WireFormatError:
             return  # not a record this worker wrote: its next writer replaces it
         served = {
-            r.get("version")
-            for r in _live_records(connection)
-            if r.get("model") == model and isinstance(r.get("version"), str)
+            r["version"]
+            for _, r in worker_records(connection, by_get=True)
+            if r is not None and r.get("model") == model and isinstance(r.get("version"), str)
         }
         if mine in served or not served:
             return
-        other = sorted(v for v in served if isinstance(v, str))[0]
+        other = min(served)
         record = connection.getrange(keys.signature_key(model, other), 0, CURRENT_RECORD_BYTES)
         if isinstance(record, bytes) and 0 < len(record) <= CURRENT_RECORD_BYTES:
             connection.set(keys.signature_key(model), record, ex=self.settings.request_ttl)
@@ -267,18 +267,6 @@ CURRENT_RECORD_BYTES = 64 * 1024
 #: Members of keys.SIGNATURES_SET that a starting worker checks at most, chosen at random: a bound
 #: on one start's work whatever the set holds (anyone with write access could fill it).
 PRUNE_AT_MOST = 1000
-
-
-def _live_records(connection: redis.Redis) -> list[dict[str, Any]]:
-    """The records of live ortq workers (at most MAX_WORKERS), read with GETs in one pipeline: the
-    worker's ACL rule (docs/security.md) grants GET, not the MGET that ``ortq info`` uses."""
-    names = connection.srandmember(keys.WORKERS_SET, MAX_WORKERS) or []
-    with connection.pipeline(transaction=False) as pipe:
-        for name in names:
-            if isinstance(name, bytes) and len(name) <= 256:
-                pipe.get(keys.worker_key(name.decode(errors="replace")))
-        raws = pipe.execute(raise_on_error=False)
-    return [record for raw in raws if (record := parse_record(raw)) is not None]
 
 
 def prune_signatures(connection: redis.Redis) -> int:

@@ -9,6 +9,7 @@ language can write them too.
 from __future__ import annotations
 
 import re
+import secrets
 
 from ortq.errors import ConfigurationError
 from ortq.rqcompat import layout
@@ -18,7 +19,7 @@ PREFIX = "ortq:"
 #: The version of the keys and commands docs/wire-format.md describes (the frame has its own,
 #: ``wire.WIRE_VERSION``). Workers publish it in their model's signature record; producers refuse
 #: to enqueue for workers of another.
-PROTOCOL = 3
+PROTOCOL = 4
 
 #: The dotted path every ortq RQ job names. A worker runs no other function.
 JOB_FUNC = "ortq.rqjob.infer"
@@ -90,15 +91,54 @@ def request_key(model: str, job_id: str) -> str:
     return REQUEST_PREFIX + model + ":" + job_id
 
 
-def reply_key(model: str, job_id: str) -> str:
-    """Stream holding the job's one response frame (field ``frame``), written by workers only;
-    producers wait on it with XREAD, which writes nothing. Named by model, as the request."""
+#: A reply stream's name (the part after ``ortq:reply:<model>:``): its producer's token, a dot and
+#: the seconds its entries are kept (docs/wire-format.md, section 4.1). No job id holds a dot, so no
+#: reply stream is ever a large answer's key (:func:`large_reply_key`).
+_REPLY_NAME = re.compile(r"([A-Za-z0-9_\-]{1,64})\.([1-9][0-9]{0,7})")
+#: The most seconds a reply stream keeps its entries (a year: the longest ttl a job has).
+MAX_REPLY_KEEP = 365 * 24 * 3600
+
+#: The fields of a reply stream's entry: the job it answers and its response frame (empty when the
+#: frame was large: then it is the one entry of the job's own stream, :func:`large_reply_key`).
+REPLY_ID_FIELD = b"id"
+REPLY_FRAME_FIELD = b"frame"
+
+
+def new_reply_name(keep: int) -> str:
+    """A new producer's reply stream name, its entries kept ``keep`` seconds (at most a year)."""
+    return secrets.token_hex(16) + "." + str(max(1, min(int(keep), MAX_REPLY_KEEP)))
+
+
+def reply_keep(name: bytes | str | None) -> int | None:
+    """The seconds the reply stream ``name`` keeps its entries, or None when ``name`` is no reply
+    stream's name (nothing a worker may answer to)."""
+    if name is None:
+        return None
+    # Decoded with 'replace': bytes that are no UTF-8 (a forged field) then match no name.
+    text = name.decode(errors="replace") if isinstance(name, bytes) else name
+    found = _REPLY_NAME.fullmatch(text)
+    if found is None:
+        return None
+    return min(int(found.group(2)), MAX_REPLY_KEEP)
+
+
+def reply_key(model: str, reply_name: str) -> str:
+    """The stream a producer reads its answers of ``model``'s jobs from: one entry a job (fields
+    ``id`` and ``frame``), written by workers only; producers read it with XREAD, which writes
+    nothing. Named by model, as the request, so that a per-model ACL rule covers it."""
+    return REPLY_PREFIX + model + ":" + reply_name
+
+
+def large_reply_key(model: str, job_id: str) -> str:
+    """Stream holding one job's large response frame (its one entry's field ``frame``), when the
+    entry in its reply stream has an empty frame: the worker moves it here whole, without copying
+    it through Lua (:func:`answer_stage_key`)."""
     return REPLY_PREFIX + model + ":" + job_id
 
 
 def answer_stage_key(job_id: str, execution_id: str) -> str:
     """Stream holding a large response frame for one execution of a job, written by its worker
-    just before its finish script, which renames it to the reply key if the execution still owns
+    just before its finish script, which renames it to the job's large_reply_key if the execution still owns
     the job (the frame never enters Lua: Redis 7's Lua hashes every byte of a string) and deletes
     it otherwise; it expires with the answer's ttl if the worker dies in between."""
     return STAGE_PREFIX + job_id + ":" + execution_id

@@ -53,10 +53,11 @@ def script_source() -> str:
 #: The library of the calls on one job that need to look before they write: an enqueue under a
 #: producer's own job id (``enqueue_unique.lua``, which inserts a high-priority job with the code
 #: above, as a local function of its own) and a stop request (``request_stop.lua``). v2: the stop
-#: request writes the job's stop token (:func:`stop_token`), not the time.
-JOBS_LIBRARY = "ortq_jobs_v2"
-UNIQUE_FUNCTION = "ortq_enqueue_unique_v2"
-STOP_FUNCTION = "ortq_request_stop_v2"
+#: request writes the job's stop token (:func:`stop_token`), not the time; v3 (wire protocol 4):
+#: the unique enqueue takes no reply key (answers go to the producer's reply stream).
+JOBS_LIBRARY = "ortq_jobs_v3"
+UNIQUE_FUNCTION = "ortq_enqueue_unique_v3"
+STOP_FUNCTION = "ortq_request_stop_v3"
 
 #: The job hash field a stop request writes: the job's stop token (docs/wire-format.md, 3.7).
 STOP_FIELD = "ortq_stop"

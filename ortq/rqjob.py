@@ -22,7 +22,7 @@ from typing import Any
 from rq.job import Job
 
 from ortq.errors import InvalidJob, UnknownJobFunction
-from ortq.keys import JOB_FUNC, as_text
+from ortq.keys import JOB_FUNC, as_text, reply_keep
 from ortq.serializer import MsgpackSerializer
 
 
@@ -73,6 +73,10 @@ class JobRecord:
     forbidden: str | None
     #: The model its ``data`` names (the argument of ``ortq.rqjob.infer``), or None.
     model: str | None
+    #: The reply stream its producer reads (its ``ortq_reply``: keys.reply_key), or None when the
+    #: hash names none (the job cannot be answered), and the seconds that stream keeps an answer.
+    reply: str | None = None
+    reply_keep: int = 0
 
     @classmethod
     def parse(cls, job_id: str, job_hash: Mapping[bytes, bytes]) -> JobRecord:
@@ -112,7 +116,9 @@ def _intervals(raw: bytes | None) -> tuple[int, ...]:
     return tuple(max(0, min(int(v), MAX_SECONDS)) for v in values[:MAX_RETRIES] if math.isfinite(v))
 
 
-_Settled = tuple[int | None, int | None, int | None, int | None, int, tuple[int, ...], str | None, str | None]
+_Settled = tuple[
+    int | None, int | None, int | None, int | None, int, tuple[int, ...], str | None, str | None, str | None, int
+]
 
 
 def _settled(job_hash: Mapping[bytes, bytes]) -> _Settled:
@@ -125,7 +131,14 @@ def _settled(job_hash: Mapping[bytes, bytes]) -> _Settled:
         max(0, min(_int(job_hash.get(b"retries_left")) or 0, MAX_RETRIES)),
         _intervals(job_hash.get(b"retry_intervals")),
         *_verdict(job_hash),
+        *_reply(job_hash.get(b"ortq_reply")),
     )
+
+
+def _reply(raw: bytes | None) -> tuple[str | None, int]:
+    """The reply stream a job hash names and that stream's keep (keys.reply_keep), or (None, 0)."""
+    keep = reply_keep(raw)
+    return (None, 0) if keep is None or raw is None else (as_text(raw), keep)
 
 
 #: Every field _settled reads.
@@ -138,6 +151,7 @@ _SETTLED_KEYS = (
     b"retry_intervals",
     b"data",
     *(name.encode() for name in _CALLBACK_FIELDS),
+    b"ortq_reply",
 )
 _SETTLED: dict[tuple[bytes | None, ...], _Settled] = {}
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from ortq import keys
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.settings import Settings
@@ -273,3 +274,68 @@ def pools() -> Iterator[list[Pool]]:
                 pool.process.wait(30)
             except subprocess.TimeoutExpired:
                 pool.process.kill()
+
+
+def reply_stream_of(client: redis.Redis, model: str, job_id: str) -> str | None:
+    """The reply stream job ``job_id`` of ``model`` is answered in (wire protocol 4: its producer's,
+    named by the job hash's ``ortq_reply``), or None when its hash names none (or is gone)."""
+    name = client.hget(keys.job_key(job_id), "ortq_reply")
+    if name is None or keys.reply_keep(name) is None:
+        return None
+    return keys.reply_key(model, keys.as_text(name))
+
+
+def _entries(client: redis.Redis, key: str, first: bytes | str = "-", last: bytes | str = "+") -> list[Any]:
+    """XRANGE's (entry id, fields) pairs, fields as bytes (the client decodes nothing)."""
+    return list(client.xrange(key, first, last) or [])
+
+
+def _frame_of(client: redis.Redis, model: str, job_id: str, frame: bytes) -> bytes:
+    """An entry's frame; an empty one is a large answer's, read from the job's own stream."""
+    if frame:
+        return frame
+    entries = _entries(client, keys.large_reply_key(model, job_id))
+    assert len(entries) == 1, (job_id, entries)
+    return bytes(entries[0][1][keys.REPLY_FRAME_FIELD])
+
+
+def answers_of(client: redis.Redis, model: str, job_id: str) -> list[bytes]:
+    """Every response frame answering ``job_id`` in its reply stream, as read from Redis (the
+    entries whose ``id`` is the job's; a large one's frame read from its own stream): one for a job
+    answered once, none for one not answered (yet), or whose hash names no reply stream."""
+    return answers_of_many(client, model, [job_id])[job_id]
+
+
+def answers_of_many(client: redis.Redis, model: str, job_ids: list[str]) -> dict[str, list[bytes]]:
+    """``answers_of`` for each of ``job_ids``, each reply stream they name read once."""
+    with client.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(keys.job_key(job_id), "ortq_reply")
+        names = pipe.execute()
+    out: dict[str, list[bytes]] = {job_id: [] for job_id in job_ids}
+    stream_of = {
+        job_id: keys.reply_key(model, keys.as_text(name))
+        for job_id, name in zip(job_ids, names, strict=True)
+        if name is not None and keys.reply_keep(name) is not None
+    }
+    for stream in sorted(set(stream_of.values())):
+        for _, fields in _entries(client, stream):
+            job_id = keys.as_text(fields.get(keys.REPLY_ID_FIELD, b""))
+            if stream_of.get(job_id) == stream:
+                out[job_id].append(_frame_of(client, model, job_id, fields.get(keys.REPLY_FRAME_FIELD, b"")))
+    return out
+
+
+def answer_of(client: redis.Redis, model: str, job_id: str) -> bytes | None:
+    """The response frame of job ``job_id``'s answer as read from Redis, as a reader that did not
+    follow the stream finds it (docs/wire-format.md, section 4.1): the entry its hash's
+    ``ortq_answer`` names, in the stream its ``ortq_reply`` names, which must answer that job; None
+    until it is answered."""
+    name, entry = client.hmget(keys.job_key(job_id), "ortq_reply", "ortq_answer")
+    if name is None or entry is None:
+        return None
+    found = _entries(client, keys.reply_key(model, keys.as_text(name)), entry, entry)
+    assert len(found) == 1, (job_id, entry, found)
+    fields = found[0][1]
+    assert fields.get(keys.REPLY_ID_FIELD) == job_id.encode(), (job_id, fields)
+    return _frame_of(client, model, job_id, fields.get(keys.REPLY_FRAME_FIELD, b""))

@@ -226,26 +226,38 @@ def test_unknown_models_and_bad_inputs_are_refused_before_anything_is_enqueued(
 
 
 def test_forged_and_corrupt_replies_are_refused(redis_url: str, model_name: str, connection: redis.Redis) -> None:
-    """A reply that does not carry the request's proof is ResponseMismatch; a reply key that is no
-    stream fails that job alone (CorruptRecord) while the others are still waited for."""
-
-    def forge_reply(job_id: str, proof: bytes | None) -> None:
-        frame = wire.encode_response({"y": np.zeros((1, 4), np.float32)}, proof=proof)
-        connection.xadd(keys.reply_key(model_name, job_id), {"frame": frame})
+    """An answer that does not carry the request's proof is ResponseMismatch; a large answer whose
+    key is no stream fails that job alone (CorruptRecord) while the others are still waited for; a
+    reply stream that is no stream is CorruptRecord for its waits, never a hang."""
 
     async def main() -> None:
         async with producer_for(redis_url, allow_unknown_models=True) as producer:
+            stream = keys.reply_key(model_name, producer.reply_name)
+
+            def answer(job_id: str, frame: bytes) -> None:  # an entry as a worker writes it
+                connection.xadd(stream, {"id": job_id, "frame": frame})
+
             x = {"x": np.ones((1, 4), np.float32)}
-            forged, corrupt, fine = await producer.submit_many(model_name, [x, x, x])
-            forge_reply(forged.id, wire.proof_of(model_name, b"\x00" * 16))
+            forged, corrupt, fine, last = await producer.submit_many(model_name, [x, x, x, x])
+            answer(
+                forged.id,
+                wire.encode_response(
+                    {"y": np.zeros((1, 4), np.float32)}, proof=wire.proof_of(model_name, b"\x00" * 16)
+                ),
+            )
             with pytest.raises(ResponseMismatch, match=forged.id):
                 await forged.result(timeout=5)
-            connection.set(keys.reply_key(model_name, corrupt.id), b"not a stream")
+            connection.set(keys.large_reply_key(model_name, corrupt.id), b"not a stream")
             waiting = asyncio.create_task(fine.result(timeout=10))
-            with pytest.raises(CorruptRecord, match=f"reply key of job {corrupt.id}"):
+            answer(corrupt.id, b"")  # its frame said to be in its own key
+            with pytest.raises(CorruptRecord, match=f"large answer of job {corrupt.id}"):
                 await corrupt.result(timeout=5)
-            forge_reply(fine.id, fine.proof)  # as a worker would answer it
-            assert (await waiting)["y"].shape == (1, 4)
+            answer(fine.id, wire.encode_response({"y": np.ones((1, 4), np.float32)}, proof=fine.proof))
+            np.testing.assert_array_equal((await waiting)["y"], np.ones((1, 4), np.float32))
+            connection.delete(stream)
+            connection.set(stream, b"not a stream")
+            with pytest.raises(CorruptRecord, match="holds no stream"):
+                await last.result(timeout=5)
 
     run(main())
 

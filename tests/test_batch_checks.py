@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ortq import knownheaders, wire
+from ortq import keys, knownheaders, wire
 from ortq.rqcompat.book import StartedJob
 from ortq.rqcompat.layout import utcnow
 from ortq.settings import Settings
@@ -27,7 +27,8 @@ SIGNATURE = ModelSignature(inputs=(TensorSpec("x", "float32", (None, 4)),), outp
 SETTINGS = Settings.from_url("redis://127.0.0.1:1/0", max_frame_bytes=4096)  # never connects
 #: The shapes and dtypes producers send here: two that fit the model, three that do not.
 KINDS = [((2, 4), np.float32), ((1, 4), np.float32), ((1, 5), np.float32), ((2, 4), np.int64), ((1, 2, 4), np.float32)]
-FIELDS = job_fields("m")
+#: A job hash of model "m" that names the reply stream its producer reads (else it fails InvalidJob).
+FIELDS = {**job_fields("m"), b"ortq_reply": keys.new_reply_name(60).encode()}
 
 
 def producer_frame(kind: int, seed: int) -> bytes:

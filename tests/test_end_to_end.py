@@ -126,9 +126,10 @@ def test_producer_validates_against_the_published_signature(
 
 
 def _enqueue_raw(connection: redis.Redis, model: str, frame: bytes, **forged: bytes) -> str:
-    """Enqueue ``frame`` unchecked; ``forged`` job hash fields replace ortq's in the same MULTI, so
-    that no worker sees the job before them."""
-    options = JobOptions(request_ttl=60, result_ttl=60, failure_ttl=60)
+    """Enqueue ``frame`` unchecked, answered in a reply stream of its own (read through its hash's
+    ``ortq_answer``, as a handle made later reads it); ``forged`` job hash fields replace ortq's in
+    the same MULTI, so that no worker sees the job before them."""
+    options = JobOptions(request_ttl=60, result_ttl=60, failure_ttl=60, reply=keys.new_reply_name(60))
     with connection.pipeline() as pipe:
         job_id = add_enqueue(pipe, model, frame, options)
         if forged:
@@ -224,18 +225,35 @@ def test_results_of_many_jobs_are_waited_for_together(
 
 
 def test_forged_and_corrupt_replies_are_refused(redis_url: str, model_name: str, connection: redis.Redis) -> None:
-    """A reply without the request's proof is ResponseMismatch; a reply key that is no stream is
-    CorruptRecord naming the job; neither ever returns outputs."""
+    """An entry in the producer's reply stream answering a job without its request's proof is
+    ResponseMismatch naming the job, whether its frame is in the entry or (a large answer's) in the
+    job's own key; a large answer's key that is no stream is CorruptRecord naming the job; a reply
+    stream that is no stream is CorruptRecord naming it, at once (no wait to the timeout), and once
+    it is a stream again (a worker's next answer replaces it) its answers are read. None ever
+    returns outputs."""
     producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
+    stream = keys.reply_key(model_name, producer.reply_name)
     x = {"x": np.ones((1, 4), np.float32)}
-    forged, corrupt, fine = producer.submit_many(model_name, [x, x, x])
+    forged, forged_large, corrupt_large, corrupt, fine = producer.submit_many(model_name, [x] * 5)
     frame = encode_response({"y": np.zeros((1, 4), np.float32)}, proof=proof_of(model_name, b"\x00" * 16))
-    connection.xadd(keys.reply_key(model_name, forged.id), {"frame": frame})
+    connection.xadd(stream, {"id": forged.id, "frame": frame})
     with pytest.raises(ResponseMismatch, match=forged.id):
         forged.result(timeout=5)
-    connection.set(keys.reply_key(model_name, corrupt.id), b"not a stream")
-    with pytest.raises(CorruptRecord, match=f"reply key of job {corrupt.id}"):
-        producer.results([fine, corrupt], timeout=5)
+    connection.xadd(keys.large_reply_key(model_name, forged_large.id), {"frame": frame})
+    connection.xadd(stream, {"id": forged_large.id, "frame": b""})
+    with pytest.raises(ResponseMismatch, match=forged_large.id):
+        forged_large.result(timeout=5)
+    connection.set(keys.large_reply_key(model_name, corrupt_large.id), b"not a stream")
+    connection.xadd(stream, {"id": corrupt_large.id, "frame": b""})
+    with pytest.raises(CorruptRecord, match=f"large answer of job {corrupt_large.id}"):
+        corrupt_large.result(timeout=5)
+    connection.delete(stream)
+    connection.set(stream, b"not a stream")
+    started = time.monotonic()
+    with pytest.raises(CorruptRecord, match=f"reply stream {stream} holds no stream"):
+        producer.results([fine, corrupt], timeout=30)
+    assert time.monotonic() - started < 10
+    connection.delete(stream)  # as a worker's answer replaces a key of another type (common.lua's write)
     answer = encode_response({"y": np.ones((1, 4), np.float32)}, proof=fine.proof)  # as a worker answers
-    connection.xadd(keys.reply_key(model_name, fine.id), {"frame": answer})
+    connection.xadd(stream, {"id": fine.id, "frame": answer})
     np.testing.assert_array_equal(fine.result(timeout=5)["y"], np.ones((1, 4), np.float32))

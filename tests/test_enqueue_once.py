@@ -27,7 +27,7 @@ from ortq.producer import AsyncProducer, Producer
 from ortq.redisfunctions import ensure_functions
 from ortq.rqcompat import layout
 from ortq.settings import Settings
-from tests.conftest import WorkerProcesses
+from tests.conftest import WorkerProcesses, answers_of
 from tests.tcp_proxy import CommandCuttingProxy
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
@@ -163,6 +163,7 @@ def test_a_job_whose_enqueue_reply_was_lost_is_run_and_answered_once(
         outputs = job.result(timeout=30)
     expected = ort.InferenceSession(str(tiny_path), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
     np.testing.assert_array_equal(outputs["y"], expected)
-    assert connection.xlen(keys.reply_key(model_name, job.id)) == 1
+    assert len(answers_of(connection, model_name, job.id)) == 1
+    assert connection.xlen(keys.reply_key(model_name, producer.reply_name)) == 1  # its producer's one answer
     assert connection.xlen(layout.results_key(job.id)) == 1
     assert connection.llen(keys.queue_key(model_name)) == 0

@@ -113,8 +113,9 @@ def _job_data(func: object, instance: object = None, args: object = ()) -> bytes
     return msgpack.packb([func, instance, list(args), {}], use_bin_type=True)
 
 
-def job_fields(model: str) -> dict[bytes, bytes]:
-    """The hash docs/wire-format.md tells a producer to write, as raw bytes."""
+def job_fields(model: str, reply: str | None = None) -> dict[bytes, bytes]:
+    """The hash docs/wire-format.md tells a producer to write, as raw bytes: answered in the reply
+    stream ``reply`` names (a new one, unless given: each job hash written by hand its own)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ").encode()
     return {
         b"status": b"queued",
@@ -125,15 +126,64 @@ def job_fields(model: str) -> dict[bytes, bytes]:
         b"enqueued_at": now,
         b"result_ttl": b"600",
         b"failure_ttl": b"600",
+        b"ortq_reply": (keys.new_reply_name(600) if reply is None else reply).encode(),
     }
 
 
+#: What keys.reply_keep takes for a reply name, on the raw bytes of a field anyone may have written.
+_REPLY_NAME = re.compile(rb"[A-Za-z0-9_\-]{1,64}\.[1-9][0-9]{0,7}")
+
+
+def answers(r: redis.Redis, model: str, job_id: str) -> list[tuple[bytes, bytes]]:
+    """(entry id, response frame) of every entry answering ``job_id`` in the reply stream its job
+    hash names (``ortq_reply``; an empty frame is a large answer's, read from the job's own key,
+    keys.large_reply_key): one for a job answered once, none for one not answered (yet), or whose
+    record names no reply stream or is no hash."""
+    job_key = keys.job_key(job_id)
+    if r.type(job_key) != b"hash":
+        return []
+    name = r.hget(job_key, "ortq_reply")
+    if name is None or not _REPLY_NAME.fullmatch(name):
+        return []
+    stream = keys.reply_key(model, name.decode())
+    if r.type(stream) != b"stream":
+        return []
+    found = []
+    for entry_id, fields in r.xrange(stream):
+        if fields.get(keys.REPLY_ID_FIELD) == job_id.encode():
+            frame = fields.get(keys.REPLY_FRAME_FIELD, b"")
+            if not frame:
+                large = r.xrange(keys.large_reply_key(model, job_id))
+                assert len(large) == 1, f"the large answer of job {job_id}: {large!r:.200}"
+                frame = large[0][1][keys.REPLY_FRAME_FIELD]
+            found.append((entry_id, bytes(frame)))
+    return found
+
+
+def answer(r: redis.Redis, model: str, job_id: str) -> bytes | None:
+    """The response frame of ``job_id``, as a reader that did not follow its stream finds it
+    (docs/wire-format.md, section 4.1): the entry its hash's ``ortq_answer`` names, which must be
+    the one entry with its id in the stream its ``ortq_reply`` names (a job is answered once);
+    None until ``ortq_answer`` is written."""
+    job_key = keys.job_key(job_id)
+    entry = r.hget(job_key, "ortq_answer") if r.type(job_key) == b"hash" else None
+    if entry is None:
+        return None
+    found = answers(r, model, job_id)
+    assert [entry_id for entry_id, _ in found] == [entry], (
+        f"job {job_id} answered by {entry!r}, in its stream: {found!r:.300}"
+    )
+    return found[0][1]
+
+
 HostileJob = tuple[str | bytes, dict[bytes, bytes], bytes | None]  # id, hash, request frame (None: not written)
-#: What a job must end as: failed with this error type, run (None), either of the two (EITHER), or
-#: not started and never answered (SKIPPED: its record names another queue).
+#: What a job must end as: failed with this error type, run (None), either of the two (EITHER),
+#: not started and never answered (SKIPPED: its record names another queue), or failed and answered
+#: nowhere (NOWHERE: its record names no reply stream, ``ortq_reply``).
 Expected = str | None
 EITHER = "either"
 SKIPPED = "skipped"
+NOWHERE = "nowhere"
 
 
 def push(r: redis.Redis, model: str, jobs: list[HostileJob]) -> None:
@@ -153,14 +203,14 @@ def wait_reply(
     r: redis.Redis, model: str, job_id: str, worker: subprocess.Popen[bytes], logs: Callable[[], str]
 ) -> bytes:
     """The job's response frame; fails at once if the worker exits, and after 30 s if it hangs."""
-    key = keys.reply_key(model, job_id)
     deadline = time.monotonic() + 30  # a bound on a hang, not a timing: a reply takes milliseconds
     while time.monotonic() < deadline:
-        reply = r.xread({key: "0-0"}, block=200)
-        if reply:
-            return bytes(reply[0][1][0][1][b"frame"])
+        frame = answer(r, model, job_id)
+        if frame is not None:
+            return frame
         if worker.poll() is not None:
             raise AssertionError(f"the worker exited with status {worker.returncode}:\n{logs()[-6000:]}")
+        time.sleep(0.02)
     raise AssertionError(f"no reply to job {job_id} in 30 s: the worker hung\n{logs()[-6000:]}")
 
 
@@ -211,9 +261,18 @@ class Served:
         carries the proof of its request when the request had a nonce, and is else one of the
         errors a worker gives without reading the request."""
         job_key = keys.job_key(job_id)
+        failed = f"rq:failed:{keys.queue_name(self.model)}"
         if error_type == SKIPPED:  # its record names another queue: left as it was, unanswered
-            assert not self.r.exists(keys.reply_key(self.model, job_id))
+            assert answers(self.r, self.model, job_id) == [] and self.r.hget(job_key, "ortq_answer") is None
+            assert not self.r.exists(keys.large_reply_key(self.model, job_id))
             assert self.r.hget(job_key, "status") not in (b"started", b"finished", b"failed")
+            return
+        if error_type == NOWHERE:  # it names no reply stream: failed before it ran, answered nowhere
+            eventually(lambda: self.r.hget(job_key, "status") == b"failed")
+            eventually(lambda: self.r.zscore(failed, job_id) is not None)
+            assert self.r.hget(job_key, "ortq_answer") is None
+            assert not self.r.exists(keys.large_reply_key(self.model, job_id))
+            eventually(lambda: not self.r.exists(keys.request_key(self.model, job_id)))
             return
         response = wire.decode_response(wait_reply(self.r, self.model, job_id, self.worker, self.workers.logs))
         if readable(frame):
@@ -234,19 +293,27 @@ class Served:
             assert error_type in TYPED_REASONS
             assert response.error is not None and response.error.type == error_type, response.error
             eventually(lambda: self.r.hget(job_key, "status") == b"failed")
-            failed = f"rq:failed:{keys.queue_name(self.model)}"
             eventually(lambda: self.r.zscore(failed, job_id) is not None)
-        assert self.r.xlen(keys.reply_key(self.model, job_id)) == 1
+        assert len(answers(self.r, self.model, job_id)) == 1
         eventually(lambda: not self.r.exists(keys.request_key(self.model, job_id)))  # side keys do not outlive jobs
 
     def run_then_serve_a_good_job(self, jobs: list[tuple[HostileJob, Expected]]) -> None:
         """Push ``jobs`` (each with how it must end) and a good job in one go, and check them all;
         a job whose id RQ would refuse need not be answered, but must not stop the worker."""
         good = self.good_job()
-        # Hypothesis may draw the same id twice: start each example from a clean slate.
-        for (job_id, _, _), _ in jobs:
-            name = job_id if isinstance(job_id, str) else job_id.decode(errors="replace")
-            self.r.delete(keys.reply_key(self.model, name), keys.job_key(name), keys.request_key(self.model, name))
+        # Hypothesis may draw the same id (and reply name) twice: start each example from a clean
+        # slate (a job in its queue's finished or failed registry is not run again: a replay).
+        queue = keys.queue_name(self.model)
+        for (job_id, fields, _), _ in jobs:
+            raw = job_id.encode() if isinstance(job_id, str) else job_id
+            with self.r.pipeline(transaction=True) as pipe:
+                pipe.delete(b"rq:job:" + raw, keys.request_key(self.model, "").encode() + raw)
+                pipe.delete(keys.large_reply_key(self.model, "").encode() + raw)
+                if _REPLY_NAME.fullmatch(fields.get(b"ortq_reply", b"")):
+                    pipe.delete(keys.reply_key(self.model, "").encode() + fields[b"ortq_reply"])
+                pipe.zrem(f"rq:finished:{queue}", raw)
+                pipe.zrem(f"rq:failed:{queue}", raw)
+                pipe.execute()
         push(self.r, self.model, [job for job, _ in jobs] + [good])
         self.check_answer(str(good[0]), good[2], None)  # after the others: the worker took them first
         for (job_id, _, frame), error_type in jobs:
@@ -385,10 +452,20 @@ ODD_VALUES = st.sampled_from(
         b"5m",
     ]
 ) | st.binary(max_size=12)
+#: Values of ``ortq_reply`` (the reply stream a job is answered in): names that are none (too
+#: long, no keep, a keep of 0, with a leading zero or of 9 digits, odd characters) and a few that
+#: are (a 64-character token, a keep over a year: taken as a year).
+ODD_REPLY_NAMES = st.sampled_from(
+    [b"", b"a", b"a.", b".5", b"a.0", b"a.05", b"a.5.5", b"a b.5", b"a:b.5", b"\xc3\xbc.5", b"a.123456789",
+     b"x" * 65 + b".5", b"a.5\n", b"x" * 64 + b".5", b"a.99999999", b"a-_Z9.31536001"]
+) | st.text("ab.-_:0123456789", max_size=12).map(str.encode)  # fmt: skip
 mutations = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(HASH_FIELDS), ODD_VALUES),
+    st.tuples(st.just("set"), st.just(b"ortq_reply"), ODD_REPLY_NAMES),
     st.tuples(
-        st.just("drop"), st.sampled_from([b"data", b"status", b"origin", b"created_at", b"enqueued_at"]), st.just(b"")
+        st.just("drop"),
+        st.sampled_from([b"data", b"status", b"origin", b"created_at", b"enqueued_at", b"ortq_reply"]),
+        st.just(b""),
     ),
 )
 odd_ids = st.sampled_from(["a:b", "job.1", "job 1", "ünï", ""]) | st.binary(min_size=1, max_size=6)
@@ -410,6 +487,9 @@ def test_hostile_job_hashes_and_ids_never_stop_the_worker(
     @example(str(uuid.uuid4()), [("drop", b"data", b""), ("set", b"ortq_recoveries", b"garbage")])
     @example("job.1", [("set", b"description", b"fine")])
     @example(b"\xff", [("set", b"description", b"fine")])
+    @example(str(uuid.uuid4()), [("drop", b"ortq_reply", b"")])  # a producer of protocol 3
+    @example(str(uuid.uuid4()), [("set", b"ortq_reply", b"a.0")])
+    @example(str(uuid.uuid4()), [("set", b"ortq_reply", b"a.99999999")])
     def one_job(job_id: str | bytes, changes: list[tuple[str, bytes, bytes]]) -> None:
         fields = job_fields(model_name)
         for what, field, value in changes:
@@ -417,12 +497,31 @@ def test_hostile_job_hashes_and_ids_never_stop_the_worker(
                 fields.pop(field, None)
             else:
                 fields[field] = value
-        # A record naming another queue is no job of this model's: skipped. Without its data the job
-        # names no function; any other odd field may be ignored or refused.
+        # A record naming another queue is no job of this model's: skipped. One naming no reply
+        # stream is failed and answered nowhere. Without its data the job names no function; any
+        # other odd field may be ignored or refused.
         if fields.get(b"origin") != keys.queue_name(model_name).encode():
             expected = SKIPPED
+        elif not _REPLY_NAME.fullmatch(fields.get(b"ortq_reply", b"")):
+            expected = NOWHERE
         else:
             expected = "UnknownJobFunction" if b"data" not in fields else EITHER
         served.run_then_serve_a_good_job([((job_id, fields, GOOD_FRAME), expected)])
 
     one_job()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80) | st.text(max_size=80).map(str.encode) | ODD_REPLY_NAMES)
+@example(b"\xff.5")  # not UTF-8: a worker's check raised UnicodeDecodeError, failing its whole batch
+@example(b"a.5")
+def test_a_reply_name_of_any_bytes_is_read_or_refused_without_raising(name: bytes) -> None:
+    """``ortq_reply`` is whatever anyone wrote into the job hash: JobRecord.parse (a worker's check
+    of every job of a batch) and keys.reply_keep take it as a reply name or refuse it, never raise."""
+    valid = _REPLY_NAME.fullmatch(name)
+    keep = None if valid is None else min(int(name.split(b".")[1]), keys.MAX_REPLY_KEEP)
+    assert keys.reply_keep(name) == keep
+    record = JobRecord.parse("fuzz", {**job_fields("m"), b"ortq_reply": name})
+    assert record.reply == (None if valid is None else name.decode()) and record.forbidden is None
+    if keep is not None:
+        assert record.reply_keep == keep

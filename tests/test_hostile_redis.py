@@ -13,10 +13,12 @@ batching on) through raw Redis commands, then checks that:
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import pytest
 import redis
 
 from ortq import keys, wire
-from ortq.errors import CorruptRecord
+from ortq.errors import CorruptRecord, ResponseMismatch
 from ortq.info import MOST_SIGNATURE_BYTES, collect, format_info
 from ortq.producer import Producer
 from ortq.rqcompat import layout, records
@@ -35,7 +37,7 @@ from ortq.rqcompat.book import Book
 from ortq.settings import Settings
 from ortq.worker.upkeep import Upkeep
 from tests.conftest import WorkerProcesses, eventually, wait_for_process
-from tests.test_fuzz import job_fields
+from tests.test_fuzz import answer, answers, job_fields
 
 #: Seconds within which a good job is served again after an attack.
 BOUND = 20.0
@@ -92,12 +94,13 @@ class Served:
             pipe.execute()
 
     def reply(self, job_id: str) -> wire.Response:
-        """The one response frame of ``job_id`` (fails after BOUND seconds without one)."""
-        key = keys.reply_key(self.model, job_id)
-        eventually(lambda: self.r.type(key) == b"stream" and self.r.xlen(key) > 0, BOUND)
-        assert self.r.xlen(key) == 1, "answered more than once"
-        [(_, fields)] = self.r.xrange(key)
-        return wire.decode_response(fields[b"frame"])
+        """The one response frame of ``job_id``, found as a producer finds it: the entry its hash's
+        ``ortq_answer`` names in the reply stream its ``ortq_reply`` names, the only entry with its
+        id there (fails after BOUND seconds without one, or if it was answered more than once)."""
+        eventually(lambda: answer(self.r, self.model, job_id) is not None, BOUND)
+        frame = answer(self.r, self.model, job_id)
+        assert frame is not None
+        return wire.decode_response(frame)
 
     def wait_logged(self, text: str, what: str) -> None:
         """Until the worker's log has ``text`` (fails if the worker exits first, or after a hang)."""
@@ -169,12 +172,21 @@ WRONG_TYPES: dict[str, Callable[[redis.Redis, str], object]] = {
 
 
 @pytest.mark.parametrize("kind", [k for k in WRONG_TYPES if k != "hash"])
-def test_a_job_key_that_is_no_hash_is_answered_invalid(served: Served, kind: str) -> None:
+def test_a_job_key_that_is_no_hash_is_skipped_and_left_to_expire(served: Served, kind: str) -> None:
+    """No hash names a reply stream (``ortq_reply``): such a job is answered nowhere (no producer
+    can wait on it), its request deleted and its key left to expire, and the worker serves on."""
     job_id = new_id()
     WRONG_TYPES[kind](served.r, keys.job_key(job_id))
     served.push(job_id, frame=wire.encode_request({"x": X}))
-    served.failed_with(job_id, "InvalidJob")
+    served.wait_logged(
+        f"queue entry {job_id.encode()!r} of {keys.queue_name(served.model)} skipped: its job record "
+        f"({layout.job_key('<id>')}) is a {kind}, not a hash",
+        f"the worker's line saying it skipped job {job_id}, whose record is a {kind}",
+    )
+    eventually(lambda: not served.r.exists(keys.request_key(served.model, job_id)), BOUND)
     assert served.r.ttl(keys.job_key(job_id)) > 0  # left to expire
+    assert served.r.type(keys.job_key(job_id)).decode() == kind  # not rewritten
+    assert not served.r.exists(keys.large_reply_key(served.model, job_id))
 
 
 @pytest.mark.parametrize("kind", [k for k in WRONG_TYPES if k != "string"])
@@ -198,25 +210,111 @@ def test_queue_and_registry_keys_of_the_wrong_type_are_replaced(served: Served, 
     # no_slow_script then serves a good job, through all the registries
 
 
+#: Rows of an input whose response frame is large (over book.STAGED_ANSWER_BYTES): answered in the
+#: job's own key (keys.large_reply_key), its reply stream's entry holding an empty frame.
+LARGE_ROWS = 5000
+
+
 @pytest.mark.parametrize(
-    "key",
+    ("key", "rows"),
     [
-        lambda model, i: layout.results_key(i),
-        keys.reply_key,  # a reply stream would be an answer; a key of another type is none
-        lambda model, i: f"{layout.PREFIX}:executions:{i}",
+        (lambda model, i, name: layout.results_key(i), 2),
+        # the producer's reply stream: a key of another type there is no answer, and is replaced
+        (lambda model, i, name: keys.reply_key(model, name), 2),
+        (lambda model, i, name: keys.reply_key(model, name), LARGE_ROWS),
+        # a large answer's own key: renamed over
+        (lambda model, i, name: keys.large_reply_key(model, i), LARGE_ROWS),
+        (lambda model, i, name: f"{layout.PREFIX}:executions:{i}", 2),
     ],
-    ids=["results", "reply", "executions"],
+    ids=["results", "reply-stream", "reply-stream-large", "large-reply", "executions"],
 )
 def test_a_jobs_own_records_of_the_wrong_type_do_not_stop_its_answer(
-    served: Served, key: Callable[[str, str], str]
+    served: Served, key: Callable[[str, str, str], str], rows: int
 ) -> None:
-    job_id = new_id()
-    served.r.set(key(served.model, job_id), "forged")
-    served.push(job_id, job_fields(served.model), wire.encode_request({"x": X}))
+    job_id, name = new_id(), keys.new_reply_name(600)
+    x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+    served.r.set(key(served.model, job_id, name), "forged")
+    served.push(job_id, job_fields(served.model, name), wire.encode_request({"x": x}))
     response = served.reply(job_id)
-    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": x})[0])
+    assert served.r.type(keys.reply_key(served.model, name)) == b"stream"
+    assert served.r.xlen(keys.reply_key(served.model, name)) == 1  # the forged key replaced, not added to
+    if rows == LARGE_ROWS:  # its frame in its own key, the entry in its reply stream empty
+        [(_, entry)] = served.r.xrange(keys.reply_key(served.model, name))
+        assert entry == {b"id": job_id.encode(), b"frame": b""}
+        assert served.r.xlen(keys.large_reply_key(served.model, job_id)) == 1
     eventually(lambda: served.r.hget(keys.job_key(job_id), "status") == b"finished")
     eventually(lambda: served.r.type(layout.results_key(job_id)) == b"stream")
+
+
+@contextmanager
+def held_in_the_queue(served: Served) -> Iterator[None]:
+    """The worker takes no job meanwhile (RQ's suspension): a job submitted inside waits in its
+    queue. Entered once the worker has said it is suspended (its RQ state)."""
+    name = served.producer.workers(served.model)[0]["name"]
+    served.r.set(layout.suspended_key(), 1)
+    try:
+        eventually(lambda: served.r.hget(layout.worker_key(name), "state") == b"suspended", BOUND)
+        yield
+    finally:
+        served.r.delete(layout.suspended_key())
+
+
+def _forge(served: Served, stream: str, job_id: str, what: str) -> None:
+    """Write ``what`` into the producer's reply stream ``stream`` for job ``job_id``, as anyone
+    who may write it could (under the documented ACL rules: workers alone)."""
+    words = "CALL-555-0100-TO-RESTORE-YOUR-ACCOUNT"
+    other_proof = wire.proof_of(served.model, secrets.token_bytes(16))
+    frames = {
+        "outputs-without-proof": wire.encode_response({"y": np.zeros((2, 4), np.float32)}),
+        "outputs-of-another-request": wire.encode_response({"y": np.zeros((2, 4), np.float32)}, proof=other_proof),
+        "error-in-the-attackers-words": wire.encode_error("InvalidInput", words),
+        "garbage": b"ORTQ not a frame",
+        "large-answer-of-the-wrong-type": b"",  # an empty frame: the answer is in the job's own key
+    }
+    if what == "stream-of-the-wrong-type":
+        served.r.delete(stream)
+        served.r.set(stream, "forged", ex=600)
+        return
+    if what == "large-answer-of-the-wrong-type":
+        served.r.set(keys.large_reply_key(served.model, job_id), "forged", ex=600)
+    served.r.xadd(stream, {keys.REPLY_ID_FIELD: job_id.encode(), keys.REPLY_FRAME_FIELD: frames[what]})
+
+
+@pytest.mark.parametrize(
+    ("what", "refused", "words"),
+    [
+        ("outputs-without-proof", ResponseMismatch, "carries no proof"),
+        ("outputs-of-another-request", ResponseMismatch, "the proof of another request"),
+        ("error-in-the-attackers-words", ResponseMismatch, "carries no proof"),
+        ("garbage", CorruptRecord, "no valid response frame"),
+        ("large-answer-of-the-wrong-type", CorruptRecord, "large answer of job"),
+        ("stream-of-the-wrong-type", CorruptRecord, "holds no stream"),
+    ],
+)
+def test_forged_answers_in_a_producers_reply_stream_are_refused(
+    served: Served, what: str, refused: type[Exception], words: str
+) -> None:
+    """A producer's reply stream (keys.reply_key of its reply name) written by someone else before
+    its job's answer: an entry with the job's id whose frame does not answer the job's request is
+    refused (ResponseMismatch, or CorruptRecord for no frame at all), never taken for outputs or
+    for an error of the worker's; a stream, or a large answer's key, of another type is
+    CorruptRecord at once (no wait to the timeout). The job's real answer then replaces the key."""
+    stream = keys.reply_key(served.model, served.producer.reply_name)
+    with held_in_the_queue(served):
+        job = served.producer.submit(served.model, {"x": X})
+        _forge(served, stream, job.id, what)
+        started = time.monotonic()
+        with pytest.raises(refused, match=words):
+            job.result(timeout=BOUND)
+        assert time.monotonic() - started < BOUND / 2
+    # its worker answers it after all, in its stream (of the right type again): the entry its hash names
+    eventually(lambda: served.r.hget(keys.job_key(job.id), "status") == b"finished", BOUND)
+    assert served.r.type(stream) == b"stream"
+    entry = served.r.hget(keys.job_key(job.id), "ortq_answer")
+    [(_, fields)] = served.r.xrange(stream, entry, entry)
+    assert fields[keys.REPLY_ID_FIELD] == job.id.encode()
+    assert wire.decode_response(fields[keys.REPLY_FRAME_FIELD]).proof == job.proof
 
 
 def test_a_last_high_key_of_the_wrong_type_does_not_stop_high_priority(served: Served) -> None:
@@ -345,7 +443,7 @@ def test_a_job_pushed_twice_is_answered_once(served: Served) -> None:
     assert response.ok
     served.skipped(job_id)  # the second entry taken and not run: it must not answer again
     eventually(lambda: served.r.xlen(layout.results_key(job_id)) >= 1, 60)  # RQ's result, just after the reply
-    assert served.r.xlen(keys.reply_key(served.model, job_id)) == 1
+    assert len(answers(served.r, served.model, job_id)) == 1
     assert served.r.xlen(layout.results_key(job_id)) == 1
 
 
@@ -355,7 +453,7 @@ def test_a_finished_job_pushed_again_is_not_run_again(served: Served) -> None:
     eventually(lambda: served.r.xlen(layout.results_key(job.id)) == 1)
     served.r.rpush(keys.queue_key(served.model), job.id)
     served.skipped(job.id)  # the entry pushed again taken and not run
-    assert served.r.xlen(layout.results_key(job.id)) == 1 and served.r.xlen(keys.reply_key(served.model, job.id)) == 1
+    assert served.r.xlen(layout.results_key(job.id)) == 1 and len(answers(served.r, served.model, job.id)) == 1
     np.testing.assert_array_equal(job.result(timeout=1)["y"], first["y"])
     assert job.status() == "finished"
 
@@ -368,17 +466,19 @@ def test_a_finished_job_pushed_again_is_not_run_again(served: Served) -> None:
 def test_entries_that_are_no_job_id_are_dropped_and_nothing_is_written_for_them(
     served: Served, entry: str | bytes
 ) -> None:
-    """No producer can enqueue such an id, so no reply stream is made for one (100,000 of them
-    used to cost 436 MiB of replies for a day) and no record is touched."""
+    """No producer can enqueue such an id, so no answer is written for one (100,000 of them used
+    to cost 436 MiB of replies for a day), not even in the reply stream its hash names, and no
+    record is touched."""
     raw = entry if isinstance(entry, bytes) else entry.encode()
-    reply = keys.reply_key(served.model, "").encode() + raw
-    served.r.delete(b"rq:job:" + raw, reply)  # other tests of this Redis use such ids too
-    served.r.hset(b"rq:job:" + raw, mapping=job_fields(served.model))  # type: ignore[arg-type]
+    large = keys.large_reply_key(served.model, "").encode() + raw
+    fields = job_fields(served.model)
+    served.r.delete(b"rq:job:" + raw, large)  # other tests of this Redis use such ids too
+    served.r.hset(b"rq:job:" + raw, mapping=fields)  # type: ignore[arg-type]
     served.push(entry)
     eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0, BOUND)
     served.serves_a_good_job()  # taken after the entry: the entry has been dealt with
-    assert not served.r.exists(reply)
-    assert served.r.ttl(b"rq:job:" + raw) == -1 and served.r.hget(b"rq:job:" + raw, "status") == b"queued"
+    assert not served.r.exists(large, keys.reply_key(served.model, fields[b"ortq_reply"].decode()))
+    assert served.r.ttl(b"rq:job:" + raw) == -1 and served.r.hgetall(b"rq:job:" + raw) == fields
 
 
 @pytest.mark.parametrize(
@@ -396,6 +496,40 @@ def test_forged_fields_do_not_stop_a_good_job(served: Served, fields: dict[bytes
     served.push(job_id, {**job_fields(served.model), **fields}, wire.encode_request({"x": X}))
     response = served.reply(job_id)
     np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [None, b"", b"a.0", b"a.05", b"x" * 65 + b".5", b"a.123456789", b"\xc3\xbc.5", b"\xff.5"],
+    ids=["none", "empty", "keep-0", "leading-zero", "long-token", "long-keep", "utf8", "not-utf8"],
+)
+def test_a_job_naming_no_reply_stream_fails_alone_and_is_answered_nowhere(served: Served, name: bytes | None) -> None:
+    """``ortq_reply`` missing (a producer of another protocol) or no reply name (rewritten by anyone
+    who may write job hashes): the job fails InvalidJob before it runs, answered nowhere (no stream
+    is made for the name), and the good job taken in the same batch is served as if it were alone."""
+    hostile, good = new_id(), new_id()
+    fields = job_fields(served.model)
+    if name is None:
+        del fields[b"ortq_reply"]
+    else:
+        fields[b"ortq_reply"] = name
+    frame = wire.encode_request({"x": X})
+    with served.r.pipeline(transaction=True) as pipe:  # one MULTI: the worker takes both in one batch
+        for job_id, record in ((hostile, fields), (good, job_fields(served.model))):
+            pipe.set(keys.request_key(served.model, job_id), frame, ex=600)
+            pipe.hset(keys.job_key(job_id), mapping=record)  # type: ignore[arg-type]
+            pipe.rpush(keys.queue_key(served.model), job_id)
+        pipe.execute()
+    response = served.reply(good)
+    assert response.error is None, response.error
+    np.testing.assert_array_equal(response.outputs["y"], served.session.run(None, {"x": X})[0])
+    failed = layout.QueueKeys.of(keys.queue_name(served.model)).failed
+    eventually(lambda: served.r.hget(keys.job_key(hostile), "status") == b"failed", BOUND)
+    assert served.r.zscore(failed, hostile) is not None and served.r.hget(keys.job_key(hostile), "ortq_answer") is None
+    assert not served.r.exists(keys.request_key(served.model, hostile), keys.large_reply_key(served.model, hostile))
+    if name:
+        assert not served.r.exists(keys.reply_key(served.model, "").encode() + name)
+    served.wait_logged(f"job {hostile} failed: InvalidJob", f"the worker's line saying job {hostile} failed")
 
 
 def test_an_oversized_field_that_is_read_fails_the_job(served: Served) -> None:
@@ -529,11 +663,14 @@ def test_a_thousand_malformed_started_entries_do_not_stop_the_recovery_of_a_dead
 
 
 def test_ten_thousand_queue_entries_that_are_no_job_id_leave_no_reply_streams(served: Served) -> None:
-    """Each used to get a ~4.4 KB reply stream kept for a day (100,000: 436 MiB)."""
+    """Each used to get a ~4.4 KB reply stream kept for a day (100,000: 436 MiB). Ids with a dot
+    are what a reply name looks like (``<token>.<keep>``): none becomes a stream either."""
     replies = keys.reply_key(served.model, "*")
-    before = sum(1 for _ in served.r.scan_iter(match=replies, count=1000))
+    before = set(served.r.scan_iter(match=replies, count=1000))
     for start in range(0, 10_000, 2_000):
-        served.r.rpush(keys.queue_key(served.model), *[f"not.an.id-{i}" for i in range(start, start + 2_000)])
+        entries = [f"not.an.id-{i}" if i % 2 else f"{uuid.uuid4().hex}.{i + 1}" for i in range(start, start + 2_000)]
+        served.r.rpush(keys.queue_key(served.model), *entries)
     eventually(lambda: served.r.llen(keys.queue_key(served.model)) == 0, 60)
-    served.serves_a_good_job()  # one reply more: the good job's
-    assert sum(1 for _ in served.r.scan_iter(match=replies, count=1000)) == before + 1
+    served.serves_a_good_job()  # its answer: in its producer's reply stream, which may be new
+    made = set(served.r.scan_iter(match=replies, count=1000)) - before
+    assert made <= {keys.reply_key(served.model, served.producer.reply_name).encode()}, sorted(made)[:5]

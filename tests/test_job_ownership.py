@@ -50,7 +50,7 @@ from tests.conftest import WorkerProcesses, eventually
 from tests.fault_injection import MODES, Fault, RedisFaults
 from tests.tcp_proxy import ResettingProxy
 from tests.test_wait_replicas import Replicated
-from tests.test_worker_inprocess import Serving, make_worker
+from tests.test_worker_inprocess import Serving, answers, make_worker
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -194,14 +194,16 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
 
 
 def _answered_once(admin: redis.Redis, model: str, job_ids: list[str]) -> None:
-    """Each job has one reply and one RQ result entry: answered, and only once."""
+    """Each job has one entry in the reply stream its hash names and one RQ result entry: answered,
+    and only once."""
+    replies = answers(admin, model, job_ids)
     with admin.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.xlen(keys.reply_key(model, job_id))
             pipe.xlen(layout.results_key(job_id))
-        counts = pipe.execute()
-    twice = [job_id for job_id, n in zip(job_ids, counts[1::2], strict=True) if n != 1]
-    assert counts[::2] == [1] * len(job_ids) and not twice, f"answered other than once: {twice[:5]}"
+        results = pipe.execute()
+    counts = [(len(replies[job_id]), n) for job_id, n in zip(job_ids, results, strict=True)]
+    other = [(job_id, n) for job_id, n in zip(job_ids, counts, strict=True) if n != (1, 1)]
+    assert not other, f"answered other than once (replies, results): {other[:5]}"
 
 
 def _nothing_left(admin: redis.Redis, model: str) -> None:

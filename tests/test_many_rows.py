@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from ortq import knownheaders, wire
+from ortq import keys, knownheaders, wire
 from ortq.demo import MODEL_PATH
 from ortq.errors import InferenceFailed
 from ortq.producer import Producer
@@ -30,7 +30,8 @@ from tests.test_batching import summary
 from tests.test_fuzz import job_fields
 
 SETTINGS = Settings.from_url("redis://127.0.0.1:1/0")  # never connects
-FIELDS = job_fields("m")
+#: A job hash of model "m" that names the reply stream its producer reads (else it fails InvalidJob).
+FIELDS = {**job_fields("m"), b"ortq_reply": keys.new_reply_name(60).encode()}
 
 
 def taken_of(frames: list[bytes]) -> list[Taken]:

@@ -1,8 +1,10 @@
 """The Node.js client of clients/node (written from docs/wire-format.md alone) against real workers.
 
 Its outputs must be bit-exact with a direct ``onnxruntime`` run of the same model; a worker's
-error must reach it typed; high priority must work by FCALL and by the EVAL fallback; a reply
-that does not carry its request's proof (protocol 3: SHA-256 of the model, a newline and the
+error must reach it typed; high priority must work by FCALL and by the EVAL fallback; answers
+come through its own reply streams (protocol 4: one per producer per model, named in every job
+hash it writes), or, for a job another process submitted, through the job hash's ``ortq_answer``;
+a reply that does not carry its request's proof (SHA-256 of the model, a newline and the
 request's nonce) must be refused, but for the errors a worker gives without having read the
 request; and workers of another protocol must be refused before anything is enqueued. Needs
 ``node`` and ``npm`` (Node 20+); the client's dependencies are installed once with ``npm ci``
@@ -116,11 +118,24 @@ def test_frame_codec_unit_tests(node_client: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_eval_script_is_the_docs(node_client: Path) -> None:
+def node_export(node_client: Path, name: str) -> str:
+    """The string the client's module exports as ``name``."""
     assert NODE is not None
-    code = "import('./ortq.mjs').then((m) => process.stdout.write(m.ENQUEUE_HIGH_SCRIPT))"
-    done = subprocess.run([NODE, "-e", code], cwd=node_client, capture_output=True, text=True, check=True)
-    assert done.stdout == doc_high_priority_script()
+    code = f"import('./ortq.mjs').then((m) => process.stdout.write(m.{name}))"
+    return subprocess.run([NODE, "-e", code], cwd=node_client, capture_output=True, text=True, check=True).stdout
+
+
+def test_eval_script_is_the_docs(node_client: Path) -> None:
+    assert node_export(node_client, "ENQUEUE_HIGH_SCRIPT") == doc_high_priority_script()
+    # The unique enqueue's fallback (section 3.6) is the one ortq sends, as the docs give it.
+    assert node_export(node_client, "ENQUEUE_UNIQUE_SCRIPT") == redisfunctions.unique_script_source()
+
+
+def reply_name(r: redis.Redis, job: str) -> str:
+    """The reply stream name a job's hash names (``ortq_reply``), checked as workers check it."""
+    name = r.hget(f"rq:job:{job}", "ortq_reply")
+    assert name is not None and keys.reply_keep(name) is not None, name
+    return keys.as_text(name)
 
 
 def test_tiny_model_bit_exact(
@@ -137,6 +152,68 @@ def test_tiny_model_bit_exact(
     assert_bit_exact(answer["outputs"], run_directly(tiny_path, {"x": x}))
     r = redis.Redis.from_url(redis_url)
     assert r.hget(f"rq:job:{answer['job']}", "status") == b"finished"
+    # The client's reply stream: one entry a job, its job hash naming it (kept result_ttl: 600 s).
+    name = reply_name(r, answer["job"])
+    assert keys.reply_keep(name) == 600 and 0 < r.ttl(f"ortq:reply:{model_name}:{name}") <= 600
+    [(entry, fields)] = r.xrange(f"ortq:reply:{model_name}:{name}")
+    assert fields[b"id"] == answer["job"].encode() and r.hget(f"rq:job:{answer['job']}", "ortq_answer") == entry
+    # A large answer (64 KiB or more): its entry's frame is empty, the frame in the job's own stream,
+    # read by the client that waits in its reply stream and by one that looks the job up.
+    big = np.random.default_rng(1).standard_normal((5000, 4)).astype(np.float32)
+    answer = cli("infer", redis_url, model_name, stdin=as_json({"x": big}))
+    assert_bit_exact(answer["outputs"], run_directly(tiny_path, {"x": big}))
+    name = reply_name(r, answer["job"])
+    [(_, fields)] = r.xrange(f"ortq:reply:{model_name}:{name}")
+    assert fields == {b"id": answer["job"].encode(), b"frame": b""}
+    assert r.exists(f"ortq:reply:{model_name}:{answer['job']}")
+    submitted = cli("submit", redis_url, model_name, stdin=as_json({"x": big}))
+    answer = cli("result", redis_url, submitted["job"], "--model", model_name, "--nonce", submitted["nonce"])
+    assert_bit_exact(answer["outputs"], run_directly(tiny_path, {"x": big}))
+
+
+def test_answers_read_before_anyone_waits_are_kept(
+    node_client: Path, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path
+) -> None:
+    """submit(), then result() later, in any order: a wait takes from the client's reply stream the
+    answers of its other jobs too, and keeps them for their own waits; a job of another model gets
+    a reply stream of its own (one XREAD reads both)."""
+    workers.serve(tiny_path, model_name, redis_url)
+    workers.serve(tiny_path, f"{model_name}-b", redis_url)
+    script = """
+import { Client } from './ortq.mjs';
+const [url, model] = process.argv.slice(1);
+const client = new Client(url);
+const x = (v) => ({ x: { dtype: 'float32', shape: [1, 4], data: new Float32Array(4).fill(v) } });
+try {
+  const ids = [];
+  for (let i = 0; i < 4; i += 1) ids.push(await client.submit(i % 2 ? `${model}-b` : model, x(i)));
+  const outputs = [];
+  for (const id of [ids[3], ids[0], ids[2], ids[1]]) outputs.push(Array.from((await client.result(id, 30000)).y.data));
+  const together = await Promise.all([client.submit(model, x(7)), client.submit(`${model}-b`, x(8))]);
+  const both = await Promise.all(together.map((id) => client.result(id, 30000)));
+  console.log(JSON.stringify({ outputs, both: both.map((o) => Array.from(o.y.data)), name: client.replyName,
+    cursors: client.cursors.size, left: client.jobs.size + client.expected.size + client.kept.size }));
+} finally {
+  await client.close();
+}
+"""
+    assert NODE is not None
+    done = subprocess.run(
+        [NODE, "--input-type=module", "-e", script, redis_url, model_name],
+        cwd=node_client,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout)
+    assert got["outputs"] == [[7.0] * 4, [1.0] * 4, [5.0] * 4, [3.0] * 4]
+    assert got["both"] == [[15.0] * 4, [17.0] * 4]
+    assert got["cursors"] == 2 and got["left"] == 0
+    r = redis.Redis.from_url(redis_url)
+    for model, count in [(model_name, 3), (f"{model_name}-b", 3)]:
+        assert r.xlen(f"ortq:reply:{model}:{got['name']}") == count
 
 
 def test_multi_dtype_bit_exact(
@@ -196,9 +273,10 @@ def test_errors(node_client: Path, workers: WorkerProcesses, redis_url: str, mod
     assert mismatch["error"]["type"] == "ResponseMismatch" and mismatch["job"] == job
     answer = cli("result", redis_url, job, "--model", model_name, "--nonce", nonce)
     assert_bit_exact(answer["outputs"], {"y": x * 2 + 1})
-    # The same reply under another model's key (as if a worker of that model had run the job): the
-    # proof binds the model too, so the right nonce does not make it an answer.
-    assert r.copy(f"ortq:reply:{model_name}:{job}", f"ortq:reply:{model_name}-other:{job}")
+    # The same answer in another model's reply stream (as if a worker of that model had run the
+    # job): the proof binds the model too, so the right nonce does not make it an answer.
+    name = reply_name(r, job)
+    assert r.copy(f"ortq:reply:{model_name}:{name}", f"ortq:reply:{model_name}-other:{name}")
     other = cli("result", redis_url, job, "--model", f"{model_name}-other", "--nonce", nonce, expect=1)
     assert other["error"]["type"] == "ResponseMismatch"
     # result needs the model of a job it did not submit (exit 2).
@@ -215,21 +293,30 @@ def test_errors(node_client: Path, workers: WorkerProcesses, redis_url: str, mod
 
 
 def test_proof_rule(node_client: Path, redis_url: str, model_name: str) -> None:
-    """Replies written here by hand to jobs no worker serves: the client takes a reply that carries
-    its request's proof, or one without a proof that is an error a worker gives without having read
-    the request; it refuses every other (ResponseMismatch, exit 1)."""
+    """Replies written here by hand to jobs no worker serves, as a worker writes them (an entry in
+    the reply stream the job hash names, its id in the hash's ``ortq_answer``): the client takes a
+    reply that carries its request's proof, or one without a proof that is an error a worker gives
+    without having read the request; it refuses every other (ResponseMismatch, exit 1)."""
     r = redis.Redis.from_url(redis_url)
     y = {"y": np.full((1, 4), 3, dtype=np.float32)}
 
-    def answer_with(reply: Callable[[bytes], bytes], *, check: bool = True, expect: int = 0) -> dict[str, Any]:
-        """Submit a job, write reply(the job's own proof) as its reply and read it back."""
+    def answer_with(
+        reply: Callable[[bytes], bytes], *, check: bool = True, expect: int = 0, large: bool = False
+    ) -> dict[str, Any]:
+        """Submit a job, write reply(the job's own proof) as its answer and read it back."""
         submitted = cli("submit", redis_url, model_name, "--allow-unknown-model", stdin=as_json({"x": y["y"]}))
         job, nonce = submitted["job"], submitted["nonce"]
-        r.xadd(f"ortq:reply:{model_name}:{job}", {"frame": reply(wire.proof_of(model_name, bytes.fromhex(nonce)))})
+        frame = reply(wire.proof_of(model_name, bytes.fromhex(nonce)))
+        if large:  # the frame in the job's own stream, the entry's frame empty
+            r.xadd(f"ortq:reply:{model_name}:{job}", {"frame": frame})
+            frame = b""
+        entry = r.xadd(f"ortq:reply:{model_name}:{reply_name(r, job)}", {"id": job, "frame": frame})
+        r.hset(f"rq:job:{job}", "ortq_answer", entry)
         checked = ("--nonce", nonce) if check else ()
         return cli("result", redis_url, job, "--model", model_name, *checked, "--timeout-ms", "5000", expect=expect)
 
     assert_bit_exact(answer_with(lambda proof: wire.encode_response(y, proof=proof))["outputs"], y)
+    assert_bit_exact(answer_with(lambda proof: wire.encode_response(y, proof=proof), large=True)["outputs"], y)
     failed = answer_with(lambda proof: wire.encode_error("InvalidInput", "no", proof=proof), expect=3)
     assert failed["error"] == {"type": "InvalidInput", "message": "no"}
     # No proof: the errors of a worker that could not read the request are answers ...
@@ -246,24 +333,26 @@ def test_proof_rule(node_client: Path, redis_url: str, model_name: str) -> None:
 
 def test_protocol_mismatch(node_client: Path, redis_url: str, model_name: str) -> None:
     """A signature record of workers that speak another protocol (protocol 2's records say none):
-    the client enqueues nothing (ProtocolMismatch, exit 2); a protocol 3 record is fine."""
+    the client enqueues nothing (ProtocolMismatch, exit 2); a protocol 4 record is fine, and the job
+    hash names the client's reply stream."""
     r = redis.Redis.from_url(redis_url)
     spec = [{"name": "x", "dtype": "float32", "shape": [None, 4]}]
     record: dict[str, Any] = {"model": model_name, "inputs": spec, "outputs": [{**spec[0], "name": "y"}]}
     x = np.ones((1, 4), dtype=np.float32)
-    for protocol in [2, None, 4]:
+    for protocol in [2, None, 3, 5]:
         written = record if protocol is None else {**record, "protocol": protocol}
         r.set(f"ortq:signature:{model_name}", json.dumps(written))
         for command, stdin in [("submit", as_json({"x": x})), ("many", [as_json({"x": x})] * 2)]:
             refused = cli(command, redis_url, model_name, stdin=stdin, expect=2)
             assert refused["error"]["type"] == "ProtocolMismatch", refused
-            assert f"protocol {protocol or 2} and this client 3" in refused["error"]["message"]
+            assert f"protocol {protocol or 2} and this client 4" in refused["error"]["message"]
     assert not r.exists(f"rq:queue:ortq:{model_name}")
     assert list(r.scan_iter(f"ortq:req:{model_name}:*")) == []
-    r.set(f"ortq:signature:{model_name}", json.dumps({**record, "protocol": 3}))
+    r.set(f"ortq:signature:{model_name}", json.dumps({**record, "protocol": 4}))
     job = cli("submit", redis_url, model_name, stdin=as_json({"x": x}))["job"]
     assert r.lrange(f"rq:queue:ortq:{model_name}", 0, -1) == [job.encode()]
     assert r.exists(f"ortq:req:{model_name}:{job}", f"rq:job:{job}") == 2
+    assert keys.reply_keep(reply_name(r, job)) == 600
 
 
 def test_high_priority(
@@ -293,6 +382,7 @@ def test_high_priority(
     queued = [i.decode() for i in r.lrange(f"rq:queue:ortq:{model_name}", 0, -1)]
     assert queued == [high1["job"], high2["job"], normal[0]["job"], normal[1]["job"]]
     assert r.hget(f"rq:job:{high2['job']}", "ortq_priority") == b"high"
+    assert reply_name(r, high1["job"]) != reply_name(r, high2["job"])  # one reply name a client
     assert r.ttl(f"rq:job:{high2['job']}") > 0
 
     workers.serve(tiny_path, model_name, redis_url)
@@ -316,6 +406,26 @@ def test_high_priority_without_fcall(node_client: Path) -> None:
         assert r.exists(f"ortq:req:m:{high['job']}", f"rq:job:{high['job']}") == 2
         assert r.get("ortq:last-high:m") == high["job"].encode()
         assert r.info("commandstats")["cmdstat_eval"]["calls"] == 1
+        # An id of your own: its FCALL refused, the same code by EVAL (section 3.6).
+        own = cli("submit", server.url, "m", *EARLY, "--job-id", "m-own-1", stdin=as_json(x))
+        assert own["job"] == "m-own-1" and r.info("commandstats")["cmdstat_eval"]["calls"] == 2
+        assert [i.decode() for i in r.lrange("rq:queue:ortq:m", 0, -1)] == [high["job"], normal["job"], "m-own-1"]
+        assert reply_name(r, "m-own-1") != reply_name(r, normal["job"])
+
+
+def test_an_id_of_your_own_goes_in_by_eval_before_any_worker_loaded_the_function(node_client: Path) -> None:
+    """Section 3.6: on a Redis no worker has loaded ortq's functions into (Function not found), the
+    unique enqueue goes by EVAL of the same code, and still never overwrites a job."""
+    with LocalRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        x = {"x": np.ones((1, 4), dtype=np.float32)}
+        EARLY = ("--allow-unknown-model", "--job-id", "m-own-1")
+        first = cli("submit", server.url, "m", *EARLY, "--priority", "high", stdin=as_json(x))
+        assert first["job"] == "m-own-1" and r.info("commandstats")["cmdstat_eval"]["calls"] == 1
+        again = cli("submit", server.url, "m", *EARLY, stdin=as_json(x), expect=1)
+        assert again["error"]["type"] == "JobExists" and r.info("commandstats")["cmdstat_eval"]["calls"] == 2
+        assert r.lrange("rq:queue:ortq:m", 0, -1) == [b"m-own-1"] and r.get("ortq:last-high:m") == b"m-own-1"
+        assert r.hget("rq:job:m-own-1", "ortq_priority") == b"high" and keys.reply_keep(reply_name(r, "m-own-1")) == 600
 
 
 def test_many_jobs_in_one_transaction(
@@ -380,6 +490,23 @@ def test_an_id_of_your_own_never_overwrites_a_job(node_client: Path, redis_url: 
         assert proxy.cuts == 2 and cut["job"] == f"{job_id}-c"
     queued = [keys.as_text(e) for e in r.lrange(keys.queue_key(model_name), 0, -1)]  # type: ignore[union-attr]
     assert queued == [job_id, f"{job_id}-b", f"{job_id}-c"]
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_a_wait_goes_on_through_a_broken_xread(
+    node_client: Path, workers: WorkerProcesses, redis_url: str, model_name: str, tiny_path: Path, mode: str
+) -> None:
+    """Section 4.1: an XREAD whose connection breaks (before Redis got it, or its reply lost) is
+    not sent again as it was (ioredis would resend it after reconnecting): the wait reads its reply
+    stream again from 0-0 (Redis may have restarted, numbering new entries below the cursor), and
+    its answer still comes."""
+    workers.serve(tiny_path, model_name, redis_url)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with CommandCuttingProxy(urlparse(redis_url).port or 6379) as proxy:
+        proxy.cut_next(mode, "XREAD")
+        answer = cli("infer", proxy.url, model_name, "--timeout-ms", "20000", stdin=as_json({"x": x}))
+        assert proxy.cuts == 1
+    assert_bit_exact(answer["outputs"], {"y": x * 2 + 1})
 
 
 def test_a_cancel_whose_lrem_reply_was_lost_cancels_the_job(node_client: Path, redis_url: str, model_name: str) -> None:

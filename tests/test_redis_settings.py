@@ -1,6 +1,7 @@
 """The Redis settings docs/operations.md recommends ("Redis settings") are the ones ortq's own
-Redis and the deploy files use, and do what it says: a job's reply stream, written by a real
-worker, is ~1 KB with ``stream-node-max-bytes 512`` where Redis 7's default makes it ~4.7 KB.
+Redis and the deploy files use, and do what it says: a producer's reply stream with its first
+answer, written by a real worker, is ~1 KB with ``stream-node-max-bytes 512`` where Redis 7's
+default makes it ~4.7 KB.
 And ``redis+sentinel://`` URLs (docs/ha.md) are read, checked and shown as documented;
 tests/test_sentinel.py runs them against real sentinels."""
 
@@ -44,13 +45,16 @@ def test_a_reply_stream_takes_a_quarter_of_the_memory_with_the_setting(tiny_path
         try:
             group.serve(tiny_path, "settings-tiny", server.url, 1)
             sizes = []
-            with Producer(settings=Settings.from_url(server.url)) as producer:
-                for node_bytes in (STREAM_NODE_MAX_BYTES, 4096):
-                    admin.config_set("stream-node-max-bytes", node_bytes)
+            for node_bytes in (STREAM_NODE_MAX_BYTES, 4096):
+                admin.config_set("stream-node-max-bytes", node_bytes)
+                # A producer of its own for each setting: its reply stream is made under that setting.
+                with Producer(settings=Settings.from_url(server.url)) as producer:
                     x = np.arange(4, dtype=np.float32).reshape(1, 4) * node_bytes
                     job = producer.submit("settings-tiny", {"x": x})
                     np.testing.assert_allclose(job.result(timeout=30)["y"], session.run(None, {"x": x})[0])
-                    sizes.append(admin.memory_usage(keys.reply_key(job.model, job.id)))
+                    stream = keys.reply_key(job.model, producer.reply_name)
+                    assert admin.xlen(stream) == 1  # the stream of its one answer, nothing else
+                    sizes.append(admin.memory_usage(stream))
         finally:
             group.stop_all()
         admin.close()

@@ -27,7 +27,7 @@ from ortq.serializer import MsgpackSerializer
 from ortq.settings import Settings
 from ortq.wire import encode_request
 from tests import onnx_models
-from tests.conftest import REPO, WorkerProcesses, eventually
+from tests.conftest import REPO, WorkerProcesses, answers_of, eventually
 
 BAN = Path(__file__).parent / "pickle_ban"
 
@@ -62,7 +62,8 @@ def test_nothing_is_unpickled_in_a_full_run(
     # as its enqueue, so that no worker sees the job before its data is replaced).
     pickled = b"\x80\x04\x95" + MsgpackSerializer.dumps(["os.system"])
     with producer.connection.pipeline() as pipe:
-        forged_id = add_enqueue(pipe, model_name, encode_request({"x": x}), JobOptions(60, 60, 60))
+        options = JobOptions(60, 60, 60, reply=producer.reply_name)
+        forged_id = add_enqueue(pipe, model_name, encode_request({"x": x}), options)
         pipe.hset(keys.job_key(forged_id), "data", pickled)
         pipe.execute()
     for outputs in producer.results(good, timeout=30):
@@ -205,7 +206,7 @@ def test_a_job_whose_worker_is_killed_is_taken_back_and_answered_once(
     np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
     assert connection.hget(keys.job_key(job.id), "ortq_recoveries") == b"1"
     assert connection.hget(keys.job_key(job.id), "worker_name") != victim
-    assert connection.xlen(keys.reply_key(job.model, job.id)) == 1  # answered once
+    assert len(answers_of(connection, job.model, job.id)) == 1  # answered once
     assert job.status() == "finished"
 
 

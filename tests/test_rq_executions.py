@@ -29,7 +29,7 @@ from ortq.rqcompat.records import WorkerRecords
 from ortq.settings import Settings
 from tests import onnx_models
 from tests.conftest import eventually
-from tests.test_worker_inprocess import Serving, make_worker, push, start
+from tests.test_worker_inprocess import Serving, answers, make_worker, push, start
 
 pytestmark = pytest.mark.rqcompat
 
@@ -83,7 +83,7 @@ def test_execution_records_are_written_only_when_asked_and_the_job_is_answered_e
 
     response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(job, response, 60, None)]) == 1
-    assert connection.xrange(keys.reply_key(model_name, job_id))[0][1][b"frame"] == response
+    assert answers(connection, model_name, [job_id]) == {job_id: [response]}
     assert connection.hget(keys.job_key(job_id), "status") == b"finished"
     assert execution_records(connection, job, name) == [0, 0, 0]
     assert connection.zcard(book.queue.started) == 0

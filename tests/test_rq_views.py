@@ -63,7 +63,7 @@ def test_finished_job_reads_back_through_rq(
 
     result = rq_job.latest_result()
     assert result is not None and result.type == Result.Type.SUCCESSFUL
-    assert result.return_value["reply_key"] == keys.reply_key(model_name, job.id)
+    assert result.return_value["reply_key"] == keys.reply_key(model_name, producer.reply_name)  # its producer's stream
     assert result.return_value["outputs"] == {"y": ["float32", [1, 4]]}
     assert result.execution_id
 
@@ -132,7 +132,12 @@ def test_same_fields_as_rq_own_worker(
     eventually(lambda: connection.exists(f"rq:results:{job.id}") == 1)
     time.sleep(0.1)
 
+    # ortq's own fields besides RQ's: the reply stream its producer reads, and its answer's entry there.
+    own = {"ortq_reply", "ortq_answer"}
     ours = nonempty_fields(connection, keys.job_key(job.id))
+    assert own <= ours, ours
+    assert connection.hget(keys.job_key(job.id), "ortq_reply") == producer.reply_name.encode()
+    ours -= own
     # RQ's enqueue writes its default 180 s `timeout`; an ortq job has one only when given.
     theirs = nonempty_fields(connection, keys.job_key(reference.id)) - {"timeout"}
     assert ours == theirs, ours ^ theirs

@@ -23,7 +23,7 @@ from ortq.producer import Producer
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests import onnx_models
-from tests.conftest import WorkerProcesses, eventually
+from tests.conftest import WorkerProcesses, answers_of, eventually
 from tests.test_keda import KEDA_SCRIPT
 
 
@@ -113,7 +113,7 @@ def test_a_job_a_killed_worker_left_started_is_answered_by_the_next_worker(
     session = ort.InferenceSession(str(slow), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(outputs["y"], session.run(None, x)[0], rtol=1e-5)
     assert connection.hget(keys.job_key(job_id), "ortq_recoveries") == b"1"
-    assert connection.xlen(keys.reply_key(model_name, job_id)) == 1  # answered once
+    assert len(answers_of(connection, model_name, job_id)) == 1  # answered once
     eventually(lambda: triggers(connection, model_name) == (0, 0))
 
 

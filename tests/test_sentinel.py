@@ -33,7 +33,7 @@ from ortq.localredis import find_redis_server, free_port
 from ortq.producer import AsyncProducer, Producer
 from ortq.rqcompat import layout
 from ortq.settings import Settings
-from tests.conftest import WorkerProcesses
+from tests.conftest import WorkerProcesses, answers_of_many
 
 #: Also in scripts/test.sh's second pass (redis-py 5.0's Sentinel clients) and third (Valkey's sentinels).
 pytestmark = pytest.mark.rqcompat
@@ -304,16 +304,16 @@ def _drain_through_a_failover(
 
 
 def _answered_once(port: int, model: str, job_ids: list[str]) -> None:
-    """Each job has one reply entry and one RQ result entry on the new primary."""
+    """Each job has one entry in its producer's reply stream and one RQ result entry on the new primary."""
     admin = redis.Redis(port=port, socket_timeout=10)
+    answers = answers_of_many(admin, model, job_ids)
     with admin.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.xlen(keys.reply_key(model, job_id))
             pipe.xlen(layout.results_key(job_id))
-        counts = pipe.execute()
+        results = pipe.execute()
     admin.close()
-    other = [(job_id, counts[2 * i], counts[2 * i + 1]) for i, job_id in enumerate(job_ids)
-             if (counts[2 * i], counts[2 * i + 1]) != (1, 1)]  # fmt: skip
+    other = [(job_id, len(answers[job_id]), results[i]) for i, job_id in enumerate(job_ids)
+             if (len(answers[job_id]), results[i]) != (1, 1)]  # fmt: skip
     assert not other, f"{len(other)} jobs answered other than once (id, replies, results): {other[:5]}"
 
 

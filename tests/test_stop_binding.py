@@ -80,7 +80,7 @@ def test_the_pages_stop_script_is_the_one_ortq_sends() -> None:
 def test_the_stop_function_refuses_a_mark_that_is_no_token(
     connection: redis.Redis, model_name: str, producer: Producer
 ) -> None:
-    """ortq_request_stop_v2 writes only a stop token's form (64 lowercase hex digits): an error, and
+    """ortq_request_stop_v3 writes only a stop token's form (64 lowercase hex digits): an error, and
     nothing written, for anything else."""
     assert redisfunctions.ensure_functions(connection)
     job = keys.job_key(f"{model_name}-form")

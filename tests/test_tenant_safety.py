@@ -2,10 +2,11 @@
 producers' jobs, against a real redis-server with those users and a real ``ortq worker`` logged in
 as the worker user. Plain TCP here: tests/test_transport_security.py runs the same rules over TLS.
 
-Cannot (each refused by Redis itself): forge, replace or delete a reply (replies are streams only
-workers write, read with XREAD); run Lua of its own (no EVAL: a busy loop would block the server,
-and SCRIPT KILL cannot stop a script that has written); list queued job ids; push into the
-intermediate lists; with per-model rules, enqueue for, or read anything of, another model: its
+Cannot (each refused by Redis itself): forge, replace or delete a reply (a producer's reply stream,
+or a large answer's own key: streams only workers write, read with XREAD); take a job out of its
+queue's finished registry (a job in it is not run again); run Lua of its own (no EVAL: a busy
+loop would block the server, and SCRIPT KILL cannot stop a script that has written); list queued
+job ids; push into the intermediate lists; with per-model rules, enqueue for, or read anything of, another model: its
 queue, request frames and replies (keys named by the model) included.
 Cannot, by what the worker does (each attack written out below): make a producer accept outputs not
 computed from its own request by a worker of its model (a replayed job is not run again; a job
@@ -41,6 +42,7 @@ from ortq.redisfunctions import FUNCTION
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses, eventually
+from tests.test_fuzz import answers
 from tests.test_transport_security import PRODUCER_RULES, WORKER_RULES
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,6 +64,21 @@ X = {"x": np.array([[1, 2, 3, 4]], np.float32)}
 def acl_rules(rules: str) -> list[str]:
     """ACL SETUSER's arguments: one per rule, a ``(selector)`` whole."""
     return re.findall(r"\([^)]*\)|\S+", rules)
+
+
+def read_answer(client: redis.Redis, model: str, job_id: str) -> tuple[bytes, dict[bytes, bytes]]:
+    """(entry id, fields) of the entry answering ``job_id``, read as a producer that did not follow
+    its reply stream reads it, with the commands the producer rules grant (docs/wire-format.md,
+    section 4.1): ``ortq_reply`` and ``ortq_answer`` from its hash (two HGETs: no HMGET there), then
+    one XREAD of the stream ``ortq_reply`` names, from just below ``ortq_answer``."""
+    name = client.hget(keys.job_key(job_id), "ortq_reply")
+    entry = client.hget(keys.job_key(job_id), "ortq_answer")
+    assert name is not None and entry is not None, (name, entry)
+    ms, seq = (int(part) for part in entry.split(b"-"))
+    below = f"{ms}-{seq - 1}" if seq else f"{ms - 1}-18446744073709551615"
+    [(_, [(found, fields)])] = client.xread({keys.reply_key(model, name.decode()): below}, count=1)
+    assert found == entry and fields[keys.REPLY_ID_FIELD] == job_id.encode(), (found, entry, fields)
+    return found, fields
 
 
 @dataclass
@@ -123,14 +140,32 @@ def test_a_producer_can_neither_forge_nor_delete_a_reply_nor_run_lua(tenants: Te
     with tenants.producer("producer") as victim_side:
         job = victim_side.submit(MODEL, X)
         job.result(timeout=30)
+        stream = keys.reply_key(MODEL, victim_side.reply_name)  # the victim's reply stream
     attacker = redis.Redis.from_url(tenants.url("producer"))
-    reply = keys.reply_key(MODEL, job.id)
+    entry, _ = read_answer(attacker, MODEL, job.id)  # it may read it: it knows the job's id
+    large = keys.large_reply_key(MODEL, job.id)  # where the job's frame would be, were it large
     forged = wire.encode_response({"y": np.zeros((1, 4), np.float32)})
     refused = {
-        "append a forged reply": ("XADD", reply, "*", "frame", forged),
-        "replace the reply": ("SET", reply, forged),
-        "delete the reply": ("DEL", reply),
-        "trim the reply": ("XTRIM", reply, "MAXLEN", "0"),
+        "append a forged answer to a producer's reply stream": ("XADD", stream, "*", "id", job.id, "frame", forged),
+        "replace the reply stream": ("SET", stream, forged),
+        "delete the reply stream": ("DEL", stream),
+        "trim the reply stream": ("XTRIM", stream, "MAXLEN", "0"),
+        "delete the job's answer from it": ("XDEL", stream, entry),
+        "make the reply stream expire": ("EXPIRE", stream, "1"),
+        "write a job's large answer": ("XADD", large, "*", "frame", forged),
+        "replace a job's large answer": ("SET", large, forged),
+        "delete a job's large answer": ("DEL", large),
+        "take a job out of its finished registry (to have it run again)": (
+            "ZREM",
+            layout.QueueKeys.of(keys.queue_name(MODEL)).finished,
+            job.id,
+        ),
+        "forge an entry of a finished registry": (
+            "ZADD",
+            layout.QueueKeys.of(keys.queue_name(MODEL)).finished,
+            "1",
+            "some-job",
+        ),
         "run its own Lua (a busy loop blocks the server)": ("EVAL", "while true do end", "0"),
         "load a function of its own": (
             "FUNCTION",
@@ -173,7 +208,13 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
         "push into an intermediate list, even its own model's": ("RPUSH", keys.queue_key(OTHER) + ":intermediate", "x"),
         "write a request frame of the other model's": ("SET", keys.request_key(MODEL, "x"), "frame"),
         "delete one": ("DEL", keys.request_key(MODEL, "x")),
-        "read a reply of the other model's": ("XREAD", "STREAMS", keys.reply_key(MODEL, "x"), "0-0"),
+        "read a reply of the other model's": (
+            "XREAD",
+            "STREAMS",
+            keys.reply_key(MODEL, keys.new_reply_name(600)),
+            "0-0",
+        ),
+        "read a large answer of the other model's": ("XREAD", "STREAMS", keys.large_reply_key(MODEL, "x"), "0-0"),
     }
     for what, command in refused.items():
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -224,12 +265,13 @@ def test_a_replaced_request_frame_is_refused_by_its_producer(tenants: Tenants) -
 def test_a_replayed_job_is_not_run_again(tenants: Tenants) -> None:
     """Replay (issue 25, 3a): an attacker who knows an answered job's id reads its reply (no nonce
     there any more: only the proof), sets the job back to queued, writes a request of its own and
-    pushes the id again. The worker runs no job whose reply exists: the reply stays the victim's."""
+    pushes the id again. The worker runs no job in its queue's finished or failed registry (which
+    only workers write): the job's one answer stays the victim's."""
     with tenants.producer("producer-a") as victim:
         job = victim.submit(MODEL, X)
         outputs = job.result(timeout=30)
         attacker = redis.Redis.from_url(tenants.url("producer-a"))
-        [(_, [(_, fields)])] = attacker.xread({keys.reply_key(MODEL, job.id): "0-0"})
+        _, fields = read_answer(attacker, MODEL, job.id)
         read = wire.decode_response(fields[b"frame"])
         assert read.proof == job.proof and b"nonce" not in fields[b"frame"]  # nothing to replay with
         forged = {"x": np.full((1, 4), 7, np.float32)}
@@ -239,7 +281,10 @@ def test_a_replayed_job_is_not_run_again(tenants: Tenants) -> None:
         eventually(lambda: tenants.admin.llen(keys.queue_key(MODEL)) == 0)
         victim.infer(MODEL, X, timeout=30)  # taken after the replayed entry: that one has been dealt with
         assert tenants.admin.xlen(layout.results_key(job.id)) == 1  # run once
+        assert len(answers(tenants.admin, MODEL, job.id)) == 1  # answered once, in the victim's stream
         np.testing.assert_array_equal(job.result(timeout=5)["y"], outputs["y"])
+        with tenants.producer("producer-a") as later:  # a handle made later finds it through the hash
+            np.testing.assert_array_equal(later.job(job.id, MODEL).result(timeout=5)["y"], outputs["y"])
         attacker.close()
 
 
@@ -247,8 +292,9 @@ def test_a_job_pushed_onto_another_models_queue_is_not_run_there(tenants: Tenant
     """Cross-model (issue 25, 3b): producer-b pushes a job of model a onto b's own queue, as is
     own record and all, or with its record's origin rewritten to b's queue. b's worker runs neither
     on model a's request: the first is skipped (its record names a's queue), the second reads no
-    request (b's worker reads b's keys only) and fails there without touching a's request or reply.
-    The job of model a is then answered by a's worker, with outputs of its own inputs."""
+    request (b's worker reads b's keys only) and fails there without touching a's request or reply
+    (its failure goes to model b's stream of the victim's reply name, which the victim does not
+    read). The job of model a is then answered by a's worker, with outputs of its own inputs."""
     x = {"x": np.full((1, 4), 3, np.float32)}
     with tenants.producer("producer-a") as victim:
         with held_in_the_queue(tenants):
@@ -257,14 +303,18 @@ def test_a_job_pushed_onto_another_models_queue_is_not_run_there(tenants: Tenant
             b_side.rpush(keys.queue_key(OTHER), job.id)  # allowed: its own queue
         eventually(lambda: tenants.admin.llen(keys.queue_key(OTHER)) == 0)
         np.testing.assert_array_equal(job.result(timeout=30)["y"], tenants.session.run(None, x)[0])
-        assert not tenants.admin.exists(keys.reply_key(OTHER, job.id))
+        assert answers(tenants.admin, OTHER, job.id) == []  # b's worker answered nothing
+        assert len(answers(tenants.admin, MODEL, job.id)) == 1
         with held_in_the_queue(tenants):
             second = victim.submit(MODEL, x)
             b_side.hset(keys.job_key(second.id), "origin", keys.queue_name(OTHER))  # allowed: ~rq:job:*
             b_side.rpush(keys.queue_key(OTHER), second.id)
-        eventually(lambda: tenants.admin.exists(keys.reply_key(OTHER, second.id)) == 1)  # b's worker failed it
-        assert not tenants.admin.exists(keys.reply_key(MODEL, second.id))  # a's reply untouched
+        eventually(lambda: len(answers(tenants.admin, OTHER, second.id)) == 1)  # b's worker failed it
+        assert answers(tenants.admin, MODEL, second.id) == []  # nothing in a's reply stream
+        assert not tenants.admin.exists(keys.large_reply_key(MODEL, second.id))
         assert tenants.admin.exists(keys.request_key(MODEL, second.id))  # a's request never read
+        [(_, frame)] = answers(tenants.admin, OTHER, second.id)
+        assert wire.decode_response(frame).error is not None
         b_side.close()
 
 
@@ -296,12 +346,14 @@ def test_what_a_producer_knowing_an_id_can_still_do(tenants: Tenants) -> None:
         job = victim.submit(MODEL, X)
         outputs = job.result(timeout=30)
     snooper = redis.Redis.from_url(tenants.url("producer"))  # the all-models rule
-    [(_, [(_, fields)])] = snooper.xread({keys.reply_key(MODEL, job.id): "0-0"})
+    _, fields = read_answer(snooper, MODEL, job.id)
     np.testing.assert_array_equal(wire.decode_response(fields[b"frame"]).outputs["y"], outputs["y"])
     snooper.close()
     other_tenant = redis.Redis.from_url(tenants.url("producer-b"))
     with pytest.raises(redis.exceptions.NoPermissionError):
-        other_tenant.xread({keys.reply_key(MODEL, job.id): "0-0"})
+        read_answer(other_tenant, MODEL, job.id)  # its hash read (~rq:job:*), not the stream it names
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        other_tenant.xread({keys.large_reply_key(MODEL, job.id): "0-0"})
     other_tenant.close()
 
 

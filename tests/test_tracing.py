@@ -269,7 +269,7 @@ def test_hostile_trace_options_in_frames_written_by_hand_fail_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    options = job_options(settings)
+    options = job_options(settings, reply=keys.new_reply_name(settings.result_ttl))  # answered: a reply stream
     ids = []
     with connection.pipeline(transaction=True) as pipe:
         for value in [*HOSTILE, VALID]:

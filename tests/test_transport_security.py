@@ -292,9 +292,8 @@ def test_jobs_left_by_a_dead_worker_or_a_lost_reply_are_taken_back_under_the_wor
     idx = np.array([3, 0, -1])
     abandoned, stuck, execution = str(uuid4()), str(uuid4()), uuid4().hex
     queue = keys.queue_name(served)
-    fields = job_hash(
-        served, JobOptions(request_ttl=600, result_ttl=600, failure_ttl=600), utcformat(datetime.now(UTC))
-    )
+    options = JobOptions(request_ttl=600, result_ttl=600, failure_ttl=600, reply=keys.new_reply_name(600))
+    fields = job_hash(served, options, utcformat(datetime.now(UTC)))
     with tls_redis.admin.pipeline() as pipe:
         for job_id, status in ((abandoned, "started"), (stuck, "queued")):
             pipe.set(keys.request_key(served, job_id), encode_request({"idx": idx}), ex=600)

@@ -19,7 +19,7 @@ from ortq.producer import AsyncProducer, Producer
 from ortq.redisfunctions import JOBS_LIBRARY
 from ortq.rqcompat import layout
 from ortq.settings import Settings
-from tests.conftest import WorkerProcesses
+from tests.conftest import WorkerProcesses, answers_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +44,7 @@ def test_a_chosen_id_is_enqueued_once_and_never_overwritten(
         # Answered: the id stays taken while its record and reply live, and is not run again.
         later = producer.submit(model_name, {"x": X}, job_id=first.id, unique=True)
         assert later.status() == "finished"
-        assert connection.xlen(keys.reply_key(model_name, first.id)) == 1
+        assert len(answers_of(connection, model_name, first.id)) == 1
         assert connection.zcard(layout.QueueKeys.of(keys.queue_name(model_name)).finished) == 1
 
         # Another model's job of that id is never this model's, unique or not.
@@ -156,7 +156,7 @@ def test_a_function_librarys_code_changes_only_with_its_name() -> None:
         redisfunctions.JOBS_LIBRARY: redisfunctions.jobs_library_source(),
     }
     digests = {name: hashlib.sha256(source.encode()).hexdigest()[:16] for name, source in sources.items()}
-    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v2": "b23f28a0798815e5"}
+    assert digests == {"ortq_v2": "7a57d329d37abeb5", "ortq_jobs_v3": "b541773548f0c826"}
 
 
 @pytest.mark.parametrize("fields", [[], ["status"], ["f", "v"] * 4000], ids=["none", "odd", "too many"])
@@ -169,8 +169,8 @@ def test_a_unique_enqueue_refused_for_its_fields_writes_nothing(
     redisfunctions.ensure_functions(connection)
     job_id = f"unique-{len(fields)}"
     job, queue = keys.job_key(job_id), keys.queue_key(model_name)
-    request, reply = keys.request_key(model_name, job_id), keys.reply_key(model_name, job_id)
-    args = [job_id, b"frame", 60, 60, "normal", keys.queue_name(model_name), request, reply, "rq:queues", *fields]
+    request = keys.request_key(model_name, job_id)
+    args = [job_id, b"frame", 60, 60, "normal", keys.queue_name(model_name), request, "rq:queues", *fields]
     with pytest.raises(redis.ResponseError, match="field-value pairs"):
         connection.fcall(redisfunctions.UNIQUE_FUNCTION, 3, job, queue, keys.last_high_key(model_name), *args)
     assert connection.exists(job, request) == 0 and connection.llen(queue) == 0

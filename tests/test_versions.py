@@ -29,7 +29,7 @@ from ortq.producer.producer import InferenceJob
 from ortq.settings import Settings
 from ortq.worker.serve import file_version
 from tests import onnx_models
-from tests.conftest import Pool, WorkerProcesses, eventually
+from tests.conftest import Pool, WorkerProcesses, answer_of, answers_of, answers_of_many, eventually
 from tests.test_fuzz import job_fields
 from tests.test_worker_inprocess import Serving, make_worker
 
@@ -122,11 +122,9 @@ def test_a_rolling_update_under_load_loses_nothing_and_each_answer_is_its_versio
             np.testing.assert_array_equal(response.outputs["y"], expected)
             answered_by[response.version] = answered_by.get(response.version, 0) + 1
         assert set(answered_by) == {"v1", v2}, answered_by
-        # Answered once each: one entry in each reply stream, and nothing left queued, started or parked.
-        with connection.pipeline(transaction=False) as pipe:
-            for handle, _ in submitted:
-                pipe.xlen(keys.reply_key(model_name, handle.id))
-            assert set(pipe.execute()) == {1}
+        # Answered once each: one entry each in the reply stream, and nothing left queued, started or parked.
+        answers = answers_of_many(connection, model_name, [handle.id for handle, _ in submitted])
+        assert {len(frames) for frames in answers.values()} == {1}
         assert connection.llen(keys.queue_key(model_name)) == 0
         # The current signature is the version that started last; each version keeps its own.
         signature = producer.signature(model_name)
@@ -297,13 +295,14 @@ def test_a_job_pinned_by_a_malformed_version_is_answered_invalid(
     job_id = str(uuid.uuid4())
     with connection.pipeline(transaction=True) as pipe:
         pipe.set(keys.request_key(model_name, job_id), wire.encode_request({"x": np.ones((1, 4), np.float32)}), ex=600)
-        pipe.hset(keys.job_key(job_id), mapping={**job_fields(model_name), b"ortq_version": pin})
+        fields = {**job_fields(model_name), b"ortq_version": pin, b"ortq_reply": keys.new_reply_name(60).encode()}
+        pipe.hset(keys.job_key(job_id), mapping=fields)
         pipe.rpush(keys.queue_key(model_name), job_id)
         pipe.execute()
-    reply = keys.reply_key(model_name, job_id)
-    eventually(lambda: connection.exists(reply) == 1, 30)
-    [(_, fields)] = connection.xrange(reply)
-    error = wire.decode_response(fields[b"frame"]).error
+    eventually(lambda: answer_of(connection, model_name, job_id) is not None, 30)
+    [frame] = answers_of(connection, model_name, job_id)
+    assert frame == answer_of(connection, model_name, job_id)
+    error = wire.decode_response(frame).error
     assert error is not None and error.type == "InvalidJob" and "pins a version" in error.message, error
     assert connection.hget(keys.job_key(job_id), "status") == b"failed"
     assert connection.zscore(f"rq:failed:{keys.queue_name(model_name)}", job_id) is not None

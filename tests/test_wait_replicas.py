@@ -36,7 +36,7 @@ from ortq.settings import Settings
 from tests.conftest import REPO, WorkerProcesses, eventually
 from tests.test_tenant_safety import acl_rules
 from tests.test_transport_security import PRODUCER_RULES, WORKER_RULES
-from tests.test_worker_inprocess import push, start
+from tests.test_worker_inprocess import answers, push, start
 
 #: Milliseconds each WAIT may take here: short, so that a stopped replica is noticed quickly.
 WAIT_MS = 200
@@ -86,8 +86,8 @@ def replicated() -> Iterator[Replicated]:
 
 
 def _answers(client: redis.Redis, model: str, job_id: str) -> tuple[int, int]:
-    """How many reply entries and RQ result entries a job has."""
-    return client.xlen(keys.reply_key(model, job_id)), client.xlen(layout.results_key(job_id))
+    """How many entries answer a job in the reply stream its hash names, and how many RQ result entries it has."""
+    return len(answers(client, model, [job_id])[job_id]), client.xlen(layout.results_key(job_id))
 
 
 def test_an_answer_no_replica_confirms_raises_and_a_second_send_writes_nothing_again(
@@ -118,7 +118,7 @@ def test_an_answer_no_replica_confirms_raises_and_a_second_send_writes_nothing_a
     assert book.fail(failed, error, 60, "it broke", None) is True
     for client in replicated.both():
         assert _answers(client, model_name, finished_id) == (1, 1)
-        assert client.xrange(keys.reply_key(model_name, finished_id))[0][1][b"frame"] == response
+        assert answers(client, model_name, [finished_id]) == {finished_id: [response]}
         assert _answers(client, model_name, failed_id) == (1, 1)
         assert client.hget(keys.job_key(failed_id), "status") == b"failed"
     # With no replica asked for, nothing is waited for: a stopped replica changes nothing.

@@ -7,9 +7,9 @@ import json
 import re
 from typing import Any
 
-from ortq import redisfunctions, wire
+from ortq import keys, redisfunctions, wire
 from ortq.control import MAX_WORKERS
-from ortq.producer import enqueue, responses
+from ortq.producer import enqueue, replybook, responses, waiting
 from ortq.producer.enqueue import JobOptions
 from ortq.settings import Settings
 from ortq.signature import ModelSignature, TensorSpec
@@ -96,11 +96,40 @@ def test_the_canceled_score_is_whole_seconds() -> None:
     assert "is whole seconds: ortq writes `int(time)`" in PAGE
 
 
-def test_the_non_blocking_look_is_one_the_producer_rule_grants() -> None:
-    """4.1 offers XREAD without BLOCK, which the producer rule grants; not XRANGE, which it does not."""
+def test_the_non_blocking_reads_are_ones_the_producer_rule_grants() -> None:
+    """4.1 reads a large answer and looks an answer up with XREAD without BLOCK, and the job hash
+    with HGET, which the producer rule grants; not XRANGE or HMGET, which it does not."""
     rule = producer_rule()
-    assert "+xread" in rule and "+xrange" not in rule
-    assert "`XREAD COUNT 1 STREAMS ortq:reply:<model>:<id> 0-0`" in section("### 4.1", "### 4.2")
+    assert {"+xread", "+hget"} <= set(rule) and not {"+xrange", "+hmget"} & set(rule)
+    text = " ".join(section("### 4.1", "### 4.2").split())
+    assert "`XREAD COUNT 1 STREAMS ortq:reply:<model>:<id> 0-0`" in text
+    assert "XREAD COUNT 1 STREAMS ortq:reply:<model>:<ortq_reply> <the id just below ortq_answer>" in text
+    assert "`HGET rq:job:<id> ortq_reply` and `HGET rq:job:<id> ortq_answer`" in text
+
+
+def test_the_reply_name_as_ortq_makes_and_reads_it() -> None:
+    """Section 1's rule for a reply name is keys.reply_keep's, and ortq's names follow it."""
+    found = re.search(r"The whole name matches\s+`([^`]+)`", section("## 1.", "## 2."))
+    assert found is not None
+    rule = re.compile(found.group(1))
+    for name in [keys.new_reply_name(600), "a.1", "A_b-9." + "9" * 8, "x" * 64 + ".31536000"]:
+        assert rule.fullmatch(name) and keys.reply_keep(name) is not None, name
+    for name in ["a", "a.0", "a.01", ".5", "a.b.5", "x" * 65 + ".5", "a.123456789", "a b.5"]:
+        assert not rule.fullmatch(name) and keys.reply_keep(name) is None, name
+    assert keys.reply_keep("a.99999999") == keys.MAX_REPLY_KEEP == 31_536_000
+    assert "from 1 to 31,536,000" in PAGE
+    assert "ortq_reply <reply name>" in section("### 3.2", "### 3.3")
+    options = JobOptions(request_ttl=60, result_ttl=60, failure_ttl=60, reply="t.60")
+    assert enqueue.job_hash("digits", options, "2024-05-01T12:00:00.000000Z")["ortq_reply"] == "t.60"
+
+
+def test_the_wait_as_section_4_1_gives_it() -> None:
+    """4.1's XREAD count, the id just below an answer's entry, and how often a job is looked up."""
+    text = " ".join(section("### 4.1", "### 4.2").split())
+    assert f"XREAD BLOCK <milliseconds> COUNT {replybook.READ_COUNT} STREAMS" in text
+    assert replybook.entry_before("5-3") == "5-2" and replybook.entry_before("5-0") == "4-18446744073709551615"
+    assert "or `<ms - 1>-18446744073709551615` when `<seq>` is 0" in text
+    assert waiting.LOOK_AGAIN == (0.01, 0.5) and "ortq looks after 10 ms, doubling up to 0.5 s" in text
 
 
 def test_the_models_of_unknown_model_are_read_with_granted_commands() -> None:

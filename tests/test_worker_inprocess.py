@@ -54,6 +54,45 @@ pytestmark = pytest.mark.rqcompat
 
 X = {"x": np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float32)}
 
+#: The reply stream name the jobs these tests write by hand name (a producer's own, were there one):
+#: its answers are kept 60 s.
+REPLY = keys.new_reply_name(60)
+
+
+def answered_fields(model: str) -> dict[bytes, bytes]:
+    """The hash a producer writes for a job of ``model`` answered in the stream named REPLY."""
+    return {**job_fields(model), b"ortq_reply": REPLY.encode()}
+
+
+def answers(client: redis.Redis, model: str, job_ids: list[str]) -> dict[str, list[bytes]]:
+    """Each job's answers: the frames of the entries with its id in the reply stream its hash names
+    (``ortq_reply``), a large one's (its entry's frame empty) read from its own key, which must hold
+    that one frame; an answered job's hash must name its entry (``ortq_answer``), one not answered none."""
+    with client.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(keys.job_key(job_id), "ortq_reply", "ortq_answer")
+        named = pipe.execute()
+    entries: dict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = {}
+    for name in {name for name, _ in named if name is not None}:
+        for entry_id, fields in client.xrange(keys.reply_key(model, name.decode())):
+            entries.setdefault((name, fields[keys.REPLY_ID_FIELD]), []).append(
+                (entry_id, fields[keys.REPLY_FRAME_FIELD])
+            )
+    found: dict[str, list[bytes]] = {}
+    for job_id, (name, answer) in zip(job_ids, named, strict=True):
+        mine = entries.get((name, job_id.encode()), []) if name is not None else []
+        assert (answer in {entry_id for entry_id, _ in mine}) if mine else answer is None, (job_id, answer, mine)
+        frames = []
+        for _, frame in mine:
+            if frame != b"":
+                frames.append(frame)
+                continue
+            [(_, large)] = client.xrange(keys.large_reply_key(model, job_id))
+            assert set(large) == {keys.REPLY_FRAME_FIELD}, large
+            frames.append(large[keys.REPLY_FRAME_FIELD])
+        found[job_id] = frames
+    return found
+
 
 class Serving:
     """A worker served from a thread; ``status`` is its exit status once it returned."""
@@ -192,7 +231,7 @@ def test_an_answer_that_cannot_be_encoded_fails_its_job_alone(
     """The replier encodes each job's answer on its own (jobs.Computed.answer): one whose outputs
     no frame can carry (more dimensions than a frame has room for, a dtype it has no name for)
     becomes that job's failure, and the others of its run are answered."""
-    fields = job_fields("m")
+    fields = answered_fields("m")
     started = [StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), 0) for i in range(2)]
     key = batch_key(X)
     members = [jobs.Pending(JobRecord.parse(s.job_id, fields), s, X, {}, 2, b"p" * 32, key, "m") for s in started]
@@ -223,7 +262,7 @@ def test_a_batch_checks_remembered_headers_once_and_as_the_full_checks_would(set
         wire.encode_request(good, {"nonce": os.urandom(16), "tag": 1}),  # options besides the nonce: never remembered
         bytearray(wire.encode_request({"x": X["x"] * 3}, {"nonce": os.urandom(16)})),
     ]
-    fields = job_fields("m")
+    fields = answered_fields("m")
     taken = [
         Taken(StartedJob(f"job-{i}", uuid.uuid4().hex, fields, None, 60, utcnow(), len(f)), f)
         for i, f in enumerate(frames)
@@ -261,7 +300,7 @@ def book(connection: redis.Redis, model_name: str) -> Book:
 
 
 def push(connection: redis.Redis, model: str, job_id: str) -> None:
-    connection.hset(keys.job_key(job_id), mapping=job_fields(model))  # type: ignore[arg-type]
+    connection.hset(keys.job_key(job_id), mapping=answered_fields(model))  # type: ignore[arg-type]
     connection.set(keys.request_key(model, job_id), wire.encode_request(X))
     connection.rpush(keys.queue_key(model), job_id)
 
@@ -340,7 +379,8 @@ def test_finish_is_fenced_against_a_job_taken_back(connection: redis.Redis, book
     assert outcome == "requeued"
     frame = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(started, frame, 60, b"\x80")]) == 0
-    assert not connection.exists(keys.reply_key(model_name, job_id))
+    assert answers(connection, model_name, [job_id]) == {job_id: []}
+    assert not connection.exists(keys.reply_key(model_name, REPLY))
     assert connection.hget(keys.job_key(job_id), "status") == b"queued"
 
 
@@ -357,14 +397,14 @@ def test_a_failure_sent_again_is_this_workers_answer_and_one_taken_back_is_not(
     error = wire.encode_error("RuntimeError", "it broke")
     assert book.fail(first, error, 60, "it broke", None) is True
     assert book.fail(first, error, 60, "it broke", None) is True  # the second send
-    assert connection.xlen(keys.reply_key(model_name, mine)) == 1
+    assert answers(connection, model_name, [mine]) == {mine: [error]}
     assert connection.xlen(layout.results_key(mine)) == 1
     other = Book(connection, "another-worker", book.queue.name)
     assert book.recover(taken, second.execution_id, book.worker_name, 2, 60, b"err", "WorkerLost: test") == "requeued"
     [again], _ = start(connection, other)
     assert other.fail(again, error, 60, "it broke", None) is True
     assert book.fail(second, error, 60, "it broke", None) is False  # failed by the other worker, not this one
-    assert connection.xlen(keys.reply_key(model_name, taken)) == 1
+    assert answers(connection, model_name, [taken]) == {taken: [error]}
 
 
 def test_large_answers_reach_their_reply_through_a_stage_key_fenced_like_small_ones(
@@ -392,10 +432,23 @@ def test_large_answers_reach_their_reply_through_a_stage_key_fenced_like_small_o
         [Finished(job, frame, 60, b"\x80") for job, frame in zip(started, [large, large, small, large], strict=True)]
     )
     assert answered == 3
-    assert not connection.exists(keys.reply_key(model_name, taken_back.job_id))
-    for job, frame in ((answered_large, large), (answered_small, small), (forged, large)):
-        [(_, entry)] = connection.xrange(keys.reply_key(model_name, job.job_id))
-        assert entry == {b"frame": frame} and 0 < connection.ttl(keys.reply_key(model_name, job.job_id)) <= 60
+    done = [answered_large, answered_small, forged]
+    assert answers(connection, model_name, [job.job_id for job in started]) == {
+        taken_back.job_id: [],
+        answered_large.job_id: [large],
+        answered_small.job_id: [small],
+        forged.job_id: [large],
+    }
+    # In the reply stream: the small frame itself, and an empty one for each large frame, whose
+    # own stream holds it (renamed from its stage, whole), expiring as the reply stream's entries.
+    stream = keys.reply_key(model_name, REPLY)
+    in_stream = [(entry[b"id"].decode(), entry[b"frame"]) for _, entry in connection.xrange(stream)]
+    assert in_stream == [(answered_large.job_id, b""), (answered_small.job_id, small), (forged.job_id, b"")]
+    assert 0 < connection.ttl(stream) <= 60
+    for job in done:
+        large_key = keys.large_reply_key(model_name, job.job_id)
+        assert (0 < connection.ttl(large_key) <= 60) if job is not answered_small else not connection.exists(large_key)
+    assert not connection.exists(keys.large_reply_key(model_name, taken_back.job_id))
     assert not connection.keys(keys.answer_stage_key("*", "*"))  # renamed, or deleted when not answered
     assert connection.hget(keys.job_key(taken_back.job_id), "status") == b"queued"
     stats = connection.info("commandstats")
@@ -420,10 +473,14 @@ def test_a_stage_deleted_before_the_finish_script_leaves_its_job_to_be_taken_bac
     named = {"queue": book.queue.name, "worker": book.worker_name, "state": "", "count": 1,
              "ended_iso": "2026-01-01T00:00:00.000000Z", "ended_at": "0", "moment_count": 1}  # fmt: skip
     moments = ["0.1", repr(started.started_at.timestamp())]
-    args = contract.arguments("finish", named, [*moments, job_id, started.execution_id, 60, 1, "", b""])  # staged
+    staged = [job_id, started.execution_id, 60, 1, "", b"", REPLY, 60]  # the frame '': staged
+    assert len(staged) == len(contract.FINISH_JOB)
+    args = contract.arguments("finish", named, [*moments, *staged])
     reply, _ = book._pipelined("finish", args, before=deleted_stage)
     assert reply == 0  # not answered, not finished: still started, for its worker to take back
-    assert not connection.exists(keys.reply_key(model_name, job_id))
+    assert answers(connection, model_name, [job_id]) == {job_id: []}
+    assert not connection.exists(keys.reply_key(model_name, REPLY))
+    assert not connection.exists(keys.large_reply_key(model_name, job_id))
     assert connection.zcard(book.queue.started) == 1 and connection.exists(keys.request_key(model_name, job_id))
     assert connection.hget(keys.job_key(job_id), "status") == b"started"
 
@@ -437,7 +494,7 @@ def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(
     frame = wire.encode_request(X)
     with connection.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.hset(keys.job_key(job_id), mapping=job_fields(model_name))  # type: ignore[arg-type]
+            pipe.hset(keys.job_key(job_id), mapping=answered_fields(model_name))  # type: ignore[arg-type]
             pipe.set(keys.request_key(model_name, job_id), frame)
         pipe.rpush(keys.queue_key(model_name), *ids)
         pipe.execute()
@@ -448,13 +505,11 @@ def test_a_batch_larger_than_a_script_call_can_unpack_starts_and_finishes_whole(
     assert book.finish([Finished(job, response, 60, b"\x80") for job in started]) == len(ids)
     assert connection.zcard(book.queue.started) == 0
     assert connection.zcard(book.queue.finished) == len(ids)
+    assert answers(connection, model_name, ids) == {job_id: [response] for job_id in ids}
     with connection.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.xrange(keys.reply_key(model_name, job_id))
             pipe.exists(keys.request_key(model_name, job_id))
-        replies = pipe.execute()
-    assert all(entries[0][1][b"frame"] == response for entries in replies[::2])
-    assert not any(replies[1::2])
+        assert not any(pipe.execute())
 
 
 def test_without_rq_results_a_job_is_answered_and_finished_with_no_result_record(
@@ -466,8 +521,8 @@ def test_without_rq_results_a_job_is_answered_and_finished_with_no_result_record
     first, second = start(connection, book, more=1)[0]
     response = wire.encode_response({"y": np.zeros((2, 4), np.float32)})
     assert book.finish([Finished(first, response, 60, b"\x80"), Finished(second, response, 60, None)]) == 2
+    assert answers(connection, model_name, [recorded, unrecorded]) == {recorded: [response], unrecorded: [response]}
     for job_id in (recorded, unrecorded):
-        assert connection.xrange(keys.reply_key(model_name, job_id))[0][1][b"frame"] == response
         assert connection.hget(keys.job_key(job_id), "status") == b"finished"
         assert connection.zscore(book.queue.finished, job_id) is not None
     assert connection.exists(layout.results_key(recorded))
@@ -560,9 +615,9 @@ def test_a_worker_whose_acl_lacks_a_script_command_exits_2_saying_so(
         # the script's line says it (a redis.call on 7.0: RENAME).
         assert f"its ACL lacks the command {command.upper()};" in caplog.text, caplog.text
         if command == "rename":
-            assert connection.exists(keys.request_key(model_name, job.id)) and not connection.exists(
-                keys.reply_key(model_name, job.id)
-            )
+            assert connection.exists(keys.request_key(model_name, job.id))
+            assert answers(connection, model_name, [job.id]) == {job.id: []}
+            assert not connection.exists(keys.large_reply_key(model_name, job.id))
             assert connection.hget(keys.job_key(job.id), "status") == b"started"  # to be taken back
     finally:
         connection.execute_command("ACL", "DELUSER", user)

@@ -6,7 +6,8 @@
 //     both also take --no-validate (send inputs unchecked: the worker checks them) and
 //     --allow-unknown-model (enqueue for a model no worker has published a signature for yet)
 //   node cli.mjs result REDIS_URL JOB_ID --model MODEL [--nonce HEX] [--timeout-ms MS]
-//     the result of a job submitted by another process, read from MODEL's reply key; with
+//     the result of a job submitted by another process, found through its job hash (ortq_answer: its
+//     entry in its producer's reply stream of MODEL); with
 //     --nonce (as submit printed it) the reply must carry the proof made from MODEL and that nonce
 //   node cli.mjs many   REDIS_URL MODEL  [the options of infer]                                   < [inputs, ...]
 //     many jobs in one MULTI/EXEC, waited for together; prints {"jobs": [ID, ...], "results":

@@ -1,5 +1,6 @@
-// A small ortq producer for Node.js, written from docs/wire-format.md alone (protocol 3):
-// submit jobs with plain Redis commands, wait for their replies, check each reply's proof.
+// A small ortq producer for Node.js, written from docs/wire-format.md alone (protocol 4):
+// submit jobs with plain Redis commands, wait for their answers in its own reply streams, check
+// each answer's proof.
 //
 //   const client = new Client('redis://127.0.0.1:6379/0');
 //   const id = await client.submit('tiny', { x: { dtype: 'float32', shape: [1, 4], data: new Float32Array(4) } });
@@ -15,16 +16,29 @@ export { DTYPES, OrtqError, decodeResponse, encodeRequest, proofOf } from './fra
 
 /** The version of the keys and commands this client speaks; workers publish theirs in their
  * model's signature record, and the client enqueues nothing for workers of another. */
-export const PROTOCOL = 3;
+export const PROTOCOL = 4;
 
 const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
 const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
-const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v2';
-const REQUEST_STOP = 'ortq_request_stop_v2';
-/** Most reply streams one XREAD names. */
-const XREAD_STREAMS = 256;
+const ENQUEUE_UNIQUE = 'ortq_enqueue_unique_v3';
+const REQUEST_STOP = 'ortq_request_stop_v3';
+/** The most entries one XREAD returns from each reply stream. */
+const READ_COUNT = 1000;
+/** How many of its latest jobs a client keeps answers for when a read brings them before anyone
+ * waits for them (submit now, result later), and the most bytes of such answers kept: past either,
+ * the oldest go, and a wait for one looks it up in its job hash. */
+const RECENT_JOBS = 100000;
+const KEPT_BYTES = 64 << 20;
+/** Milliseconds between look-ups of a job's answer in its job hash: the first soon, doubling to the last. */
+const LOOK_AGAIN_MS = [10, 500];
+/** Milliseconds a wait pauses while Redis is unreachable before it tries again: doubling to the last. */
+const OUTAGE_PAUSE_MS = [50, 1000];
+/** The most seconds a reply stream keeps its entries (section 4.1: a year). */
+const MAX_REPLY_KEEP = 31536000;
+/** A reply stream's name (section 4.1): a producer's token, a dot, the seconds its entries are kept. */
+const REPLY_NAME = /^[A-Za-z0-9_-]{1,64}\.[1-9][0-9]{0,7}$/;
 /** The most ids one RPUSH of an enqueue carries (section 3.2): a larger batch's go in several, in order. */
 const PUSH_CHUNK = 1000;
 /** The errors a worker answers without having read the request, so with no proof, each in fixed
@@ -42,9 +56,32 @@ export function requestKey(model, jobId) {
   return `ortq:req:${model}:${jobId}`;
 }
 
-/** The stream a job's one response frame is written to (field `frame`). */
-export function replyKey(model, jobId) {
+/** A producer's reply stream of `model` (section 4.1): one entry an answer, fields `id` (the job)
+ * and `frame` (its response frame; empty for a large one: see largeReplyKey). */
+export function replyKey(model, replyName) {
+  return `ortq:reply:${model}:${replyName}`;
+}
+
+/** The stream holding a job's large response frame (its one entry's field `frame`), when its entry
+ * in the reply stream has an empty frame. (A reply name has a dot, a job id never.) */
+export function largeReplyKey(model, jobId) {
   return `ortq:reply:${model}:${jobId}`;
+}
+
+/** A new reply name (section 4.1): 32 random lowercase hex digits, a dot, `keep` (1 to a year). */
+export function newReplyName(keep) {
+  return `${randomBytes(16).toString('hex')}.${Math.max(1, Math.min(Math.floor(keep), MAX_REPLY_KEEP))}`;
+}
+
+/** The entry id just below `entryId` (`<ms>-<seq>`): an XREAD from it returns that entry first;
+ * null for what is no entry id (or 0-0). */
+export function entryBefore(entryId) {
+  const found = /^([0-9]+)-([0-9]+)$/.exec(entryId);
+  if (found === null) return null;
+  const [ms, seq] = [BigInt(found[1]), BigInt(found[2])];
+  if (seq > 0n) return `${ms}-${seq - 1n}`;
+  if (ms === 0n) return null;
+  return `${ms - 1n}-18446744073709551615`;
 }
 
 /** The EVAL fallback of FCALL ortq_enqueue_high_v2 (docs/wire-format.md section 3.5). */
@@ -74,12 +111,69 @@ redis.call('SET', last_key, id, 'EX', ttl)
 return 1
 `;
 
+/** The EVAL fallback of FCALL ortq_enqueue_unique_v3 (section 3.6): section 3.5's code as a
+ * local function, then the function's own (ortq/producer/enqueue_unique.lua). */
+export const ENQUEUE_UNIQUE_SCRIPT = `local function enqueue_high(keys, args)
+${ENQUEUE_HIGH_SCRIPT.slice(ENQUEUE_HIGH_SCRIPT.indexOf('\n') + 1).replace(/\n$/, '').split('\n').map((line) => `  ${line}`).join('\n')}
+end
+local keys, args = KEYS, ARGV
+-- Enqueue a job under an id its producer chose, unless a job of that id exists: never overwrite one.
+-- keys: 1 the job hash, 2 the queue, 3 the model's last-high key
+-- args: 1 job id, 2 request frame, 3 seconds it waits (<wait>), 4 seconds its hash lives until a
+--       worker starts it, 5 'high' or 'normal', 6 the queue's name (the job's origin), 7 its request
+--       key, 8 RQ's queue set, 9... the job hash's fields and values.
+-- The request key and the queue set are arguments, not keys: Redis's ACL gives a function's
+-- declared keys full access, and producers may only write request keys and the set
+-- (docs/security.md); each command below is still checked against those rights.
+-- Returns 1: enqueued; 0: a job of this id and this queue exists (queued, running, or answered: its
+-- hash is there, and lives as long as its answer); -1: the id is another queue's job's, or its key
+-- is no hash.
+local job, queue, last_key = keys[1], keys[2], keys[3]
+local id, frame, wait, hash_ttl, priority, origin = args[1], args[2], args[3], args[4], args[5], args[6]
+local request, queues = args[7], args[8]
+local job_type = redis.call('TYPE', job)['ok']
+if job_type == 'hash' then
+  if redis.call('HGET', job, 'origin') == origin then return 0 end
+  return -1
+elseif job_type ~= 'none' then
+  return -1
+end
+local queue_type = redis.call('TYPE', queue)['ok']
+if queue_type ~= 'list' and queue_type ~= 'none' then
+  return redis.error_reply('WRONGTYPE the queue key ' .. queue .. ' holds a ' .. queue_type .. ', not a list')
+end
+-- The hash's fields checked before anything is written: an HSET refused after the frame's SET
+-- would leave the frame behind (no field, an odd count, more values than unpack takes).
+local values = #args - 8
+if values < 2 or values % 2 ~= 0 or values > 7900 then
+  return redis.error_reply('ERR the job hash needs 1 to 3950 field-value pairs, got ' .. values .. ' values')
+end
+redis.call('HSET', job, unpack(args, 9))
+redis.call('EXPIRE', job, hash_ttl)
+redis.call('SET', request, frame, 'EX', wait)
+redis.call('SADD', queues, queue)
+if priority == 'high' then
+  enqueue_high({queue, last_key}, {id, wait})
+else
+  redis.call('RPUSH', queue, id)
+end
+return 1
+`;
+
 /** An OrtqError for a failed Redis call: CorruptRecord for a key of the wrong type (with
  * `wrongType` saying which), BrokerUnavailable for the rest (unreachable, refused). */
 function redisFailure(err, doing, wrongType = 'a key holds something ortq did not write') {
   if (err instanceof OrtqError) return err;
   if (err instanceof ReplyError && /^WRONGTYPE/.test(err.message)) return new OrtqError('CorruptRecord', `${doing}: ${wrongType}: ${err.message}`);
-  return new OrtqError('BrokerUnavailable', `${doing}: ${err.message}`);
+  const failure = new OrtqError('BrokerUnavailable', `${doing}: ${err.message}`);
+  failure.outage = !(err instanceof ReplyError); // unreachable, not refused: a wait tries again
+  return failure;
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => {
+    setTimeout(resolve, ms);
+  });
 }
 
 async function redisCall(doing, promise, wrongType) {
@@ -96,6 +190,19 @@ function positiveSeconds(name, value) {
     throw new OrtqError('ConfigurationError', `${name} must be a positive whole number of seconds, got ${value}`);
   }
   return value;
+}
+
+/** {id, frame} of a reply stream entry's fields ([name, value, ...] Buffers): the job id as a
+ * string, the frame a Buffer; null where missing. */
+function entryFields(fields) {
+  let id = null;
+  let frame = null;
+  for (let i = 0; i + 1 < fields.length; i += 2) {
+    const name = fields[i].toString();
+    if (name === 'id') id = fields[i + 1].toString();
+    else if (name === 'frame') frame = fields[i + 1];
+  }
+  return { id, frame };
 }
 
 export function checkModelName(model) {
@@ -144,6 +251,7 @@ export class Client {
    *   limit), socketTimeoutMs (every command's timeout; blocking reads stay 1 s under it),
    *   rqPrefix (RQ's key prefix, RQ 3's RQ_KEY_PREFIX), validate (check inputs against the
    *   model's published signature), allowUnknownModels (enqueue for a model that has none).
+   *   Its answers go to its reply streams, named `replyName` (section 4.1), kept resultTtl seconds.
    */
   constructor(redisUrl, {
     requestTtl = 86400,
@@ -165,8 +273,9 @@ export class Client {
     };
     this.redis = new Redis(redisUrl, redisOptions);
     // Blocking reads get a connection of their own (section 4.2): a command queued behind an
-    // XREAD BLOCK on one connection would wait for it.
-    this.blocking = this.redis.duplicate();
+    // XREAD BLOCK on one connection would wait for it. It never sends an XREAD again after a
+    // reconnect: the wait reads every stream again from its start instead (#read).
+    this.blocking = this.redis.duplicate({ autoResendUnfulfilledCommands: false, maxRetriesPerRequest: 0 });
     // Enqueue transactions, function calls and a cancel's LREM get a connection of their own that
     // never sends an unanswered command again after a reconnect and fails it at once when the
     // connection drops (sections 3.2, 3.6, 3.7: one whose reply was lost may have run; what it did
@@ -179,10 +288,24 @@ export class Client {
      * been read: `nonce` is what its request carried, `proof` (proofOf(model, nonce)) what its
      * response must carry. */
     this.jobs = new Map();
+    /** This client's reply streams' name (section 4.1): every job hash it writes names it (`ortq_reply`). */
+    this.replyName = newReplyName(resultTtl);
+    /** reply stream key -> the id of the last entry read of it ('0-0': from its start) */
+    this.cursors = new Map();
+    /** job id -> model of this client's recent jobs whose answers come through its reply streams
+     * and have not been handed out (oldest first, at most RECENT_JOBS) */
+    this.expected = new Map();
+    /** job id -> the frame read for it while nobody waited for it ('' bytes: a large answer) */
+    this.kept = new Map();
+    this.keptBytes = 0;
+    /** The XREAD of the reply streams in flight (one at a time: every wait takes what it brings). */
+    this.reading = null;
   }
 
   async close() {
-    await Promise.allSettled([this.redis.quit(), this.blocking.quit(), this.enqueuer.quit()]);
+    // The blocking connection is dropped, not quit: a QUIT would wait behind an XREAD BLOCK in flight.
+    this.blocking.disconnect();
+    await Promise.allSettled([this.redis.quit(), this.enqueuer.quit()]);
   }
 
   queueKey(model) {
@@ -238,18 +361,25 @@ export class Client {
     const wait = ttl === null ? this.requestTtl : Math.min(this.requestTtl, ttl);
     const settings = { model, priority, ttl, jobTimeout, wait };
     const doing = `could not enqueue ${jobs.length} job(s) for ${model} (if the connection dropped during the write they may have been enqueued)`;
-    if (jobIds !== undefined && jobIds !== null) return this.#submitUnique(jobs, settings, doing);
-    let replies;
+    // Expected before the enqueue is sent: a read of another wait may bring an answer before it returns.
+    this.#expect(model, jobs.map((job) => job.id));
     try {
-      replies = await this.#enqueueOnce(jobs, settings, 'fcall');
+      if (jobIds !== undefined && jobIds !== null) return await this.#submitUnique(jobs, settings, doing);
+      let replies;
+      try {
+        replies = await this.#enqueueOnce(jobs, settings, 'fcall');
+      } catch (err) {
+        // Redis 6.2 has no FCALL: refused as it is queued, the whole transaction was discarded.
+        const noFcall = /EXECABORT/.test(err.message) && /unknown command/i.test(String(err.previousErrors?.map((e) => e.message)));
+        if (!(priority === 'high' && noFcall)) throw redisFailure(err, doing);
+        replies = await redisCall(doing, this.#enqueueOnce(jobs, settings, 'eval'));
+      }
+      // null: the transaction ran and its replies were lost (a MULTI goes in whole)
+      if (replies !== null) await redisCall(doing, this.#settle(jobs, settings, replies));
     } catch (err) {
-      // Redis 6.2 has no FCALL: refused as it is queued, the whole transaction was discarded.
-      const noFcall = /EXECABORT/.test(err.message) && /unknown command/i.test(String(err.previousErrors?.map((e) => e.message)));
-      if (!(priority === 'high' && noFcall)) throw redisFailure(err, doing);
-      replies = await redisCall(doing, this.#enqueueOnce(jobs, settings, 'eval'));
+      this.#forget(jobs.filter((job) => !this.jobs.has(job.id)).map((job) => job.id));
+      throw err;
     }
-    // null: the transaction ran and its replies were lost (a MULTI goes in whole)
-    if (replies !== null) await redisCall(doing, this.#settle(jobs, settings, replies));
     for (const job of jobs) this.jobs.set(job.id, { model, nonce: job.nonce, proof: job.proof });
     return jobs.map((job) => job.id);
   }
@@ -261,6 +391,8 @@ export class Client {
     const outcomes = await redisCall(doing, this.#enqueueUnique(jobs, settings));
     const fresh = jobs.filter((job, i) => outcomes[i] === 1);
     for (const job of fresh) this.jobs.set(job.id, { model: settings.model, nonce: job.nonce, proof: job.proof });
+    // Not ours: a wait for them looks them up in their job hash.
+    this.#forget(jobs.filter((job, i) => outcomes[i] !== 1 && !this.jobs.has(job.id)).map((job) => job.id));
     const foreign = jobs.filter((job, i) => outcomes[i] === -1).map((job) => job.id);
     const taken = jobs.filter((job, i) => outcomes[i] === 0).map((job) => job.id);
     const enqueued = fresh.length ? `; ${fresh.length} other job(s) were enqueued` : '';
@@ -273,18 +405,29 @@ export class Client {
     return jobs.map((job) => job.id);
   }
 
-  /** Section 3.6's FCALL per job, sent once: each job's 1, 0 or -1. After a lost reply each job is
-   * read back (#uniqueOutcomes), and those not there are sent once more. */
+  /** Section 3.6's FCALL per job, sent once: each job's 1, 0 or -1; where the FCALL found no
+   * function (no worker has loaded it yet, or Redis 6.2), the same code by EVAL. After a lost reply
+   * each job is read back (#uniqueOutcomes), and those not there are sent once more. */
   async #enqueueUnique(jobs, settings) {
     const now = new Date().toISOString();
+    const missingFunction = (err) => /function not found|unknown command/i.test(err.message);
     const send = async (some) => {
       const pipeline = this.enqueuer.pipeline();
       for (const job of some) pipeline.call('FCALL', ENQUEUE_UNIQUE, ...this.#uniqueArguments(job, settings, now));
       const replies = await pipeline.exec();
+      const byEval = some.filter((job, i) => replies[i][0] && missingFunction(replies[i][0]));
+      let evals = [];
+      if (byEval.length) {
+        const fallback = this.enqueuer.pipeline();
+        for (const job of byEval) fallback.eval(ENQUEUE_UNIQUE_SCRIPT, ...this.#uniqueArguments(job, settings, now));
+        evals = await fallback.exec();
+      }
       return replies.map(([err, reply]) => {
         if (!err) return reply;
-        if (/function not found/i.test(err.message)) {
-          throw new OrtqError('ConfigurationError', `enqueue under an id of your own needs ortq's Redis function ${ENQUEUE_UNIQUE}, which workers load: start a worker of any model on this Redis first (Redis 7 or later)`);
+        if (missingFunction(err)) [err, reply] = evals.shift();
+        if (!err) return reply;
+        if (/^NOPERM/.test(err.message) && /eval/i.test(err.message)) {
+          throw new OrtqError('ConfigurationError', `enqueue under an id of your own needs ortq's Redis function ${ENQUEUE_UNIQUE}, which workers load, or the right to EVAL its code: start a worker of any model on this Redis first (Redis 7 or later): ${err.message}`);
         }
         throw err;
       });
@@ -308,23 +451,21 @@ export class Client {
     const fields = Object.entries(this.#jobFields(model, priority, ttl, jobTimeout, now)).flat();
     const queue = this.queueKey(model);
     return [3, this.jobKey(job.id), queue, `ortq:last-high:${model}`, job.id, job.frame, wait, wait + this.failureTtl, priority,
-      `ortq:${model}`, requestKey(model, job.id), replyKey(model, job.id), `${this.rqPrefix}:queues`, ...fields];
+      `ortq:${model}`, requestKey(model, job.id), `${this.rqPrefix}:queues`, ...fields];
   }
 
   /** What section 3.6's call answered each of `jobs`, read back after its reply was lost: 1 where
-   * the job is there with this call's created_at, 0 where another job of that id and model is (or
-   * its reply), -1 where another model's is (or no hash), null where nothing is. */
+   * the job is there with this call's created_at, 0 where another job of that id and model is, -1
+   * where another model's is (or no hash), null where nothing is (a job hash lives as long as its answer). */
   async #uniqueOutcomes(jobs, model, now) {
     const probe = this.redis.pipeline();
-    for (const job of jobs) {
-      probe.hget(this.jobKey(job.id), 'origin').hget(this.jobKey(job.id), 'created_at').type(replyKey(model, job.id));
-    }
+    for (const job of jobs) probe.hget(this.jobKey(job.id), 'origin').hget(this.jobKey(job.id), 'created_at');
     const replies = await probe.exec();
     return jobs.map((job, i) => {
-      const [[originErr, origin], [, created], [replyErr, reply]] = replies.slice(3 * i, 3 * i + 3);
+      const [[originErr, origin], [, created]] = replies.slice(2 * i, 2 * i + 2);
       if (originErr && /^WRONGTYPE/.test(originErr.message)) return -1;
-      if (originErr || replyErr) throw originErr || replyErr;
-      if (origin === null) return reply === 'none' ? null : 0;
+      if (originErr) throw originErr;
+      if (origin === null) return null;
       if (origin !== `ortq:${model}`) return -1;
       return created === now ? 1 : 0;
     });
@@ -341,19 +482,19 @@ export class Client {
         return await this.#enqueue(jobs, settings, how);
       } catch (err) {
         if (err instanceof ReplyError) throw err; // Redis answered (EXECABORT): nothing of it ran
-        if (await this.#wentIn(jobs, settings.model)) return null;
+        if (await this.#wentIn(jobs)) return null;
         if (sends === 1 || /timed out/i.test(err.message)) throw err;
       }
     }
   }
 
-  /** Whether any of `jobs` is in Redis: its job hash, or (answered and gone since) its reply. */
-  async #wentIn(jobs, model) {
+  /** Whether any of `jobs` is in Redis: its job hash (which lives as long as its answer). */
+  async #wentIn(jobs) {
     const probe = this.redis.pipeline();
-    for (const job of jobs) probe.hget(this.jobKey(job.id), 'origin').type(replyKey(model, job.id));
+    for (const job of jobs) probe.hget(this.jobKey(job.id), 'origin');
     const replies = await probe.exec();
     for (const [err] of replies) if (err) throw err;
-    return replies.some(([, value], i) => (i % 2 === 0 ? value !== null : value !== 'none'));
+    return replies.some(([, origin]) => origin !== null);
   }
 
   /** Section 3.2's transaction: three commands per job (high priority: four, with its FCALL or
@@ -391,6 +532,7 @@ export class Client {
       enqueued_at: now,
       result_ttl: String(this.resultTtl),
       failure_ttl: String(this.failureTtl),
+      ortq_reply: this.replyName,
     };
     if (ttl !== null) fields.ttl = String(ttl);
     if (jobTimeout !== null) fields.timeout = String(jobTimeout);
@@ -482,8 +624,10 @@ export class Client {
   }
 
   /**
-   * The decoded responses ({ok, outputs, error, timings, proof}) of many jobs, in order, waited for
-   * together with XREAD (section 4.1), each checked by the proof rule (section 4.3). `jobs`: the
+   * The decoded responses ({ok, outputs, error, timings, proof}) of many jobs, in order, each
+   * checked by the proof rule (section 4.3). The answers of this client's own jobs come through
+   * its reply streams, read with one XREAD (section 4.1); a job submitted elsewhere, or one of its
+   * own whose answer it no longer keeps, is looked up in its job hash (`ortq_answer`). `jobs`: the
    * ids of jobs this client submitted, or {id, model, nonce} for jobs submitted elsewhere (nonce,
    * a Buffer, optional: without it the reply is not checked). Jobs answered are forgotten.
    */
@@ -493,36 +637,172 @@ export class Client {
     for (const job of wanted) if (!byId.has(job.id)) byId.set(job.id, job);
     const deadline = Date.now() + timeoutMs;
     const responses = new Map();
+    // The jobs looked up in their hashes: id -> [when next (ms), the delay after that].
+    const looks = new Map();
+    // Redis unreachable at the last try (waits go on through it until the deadline), and the pause before the next.
+    let outage = null;
+    let pause = OUTAGE_PAUSE_MS[0];
     for (;;) {
-      const missing = [...byId.values()].filter((job) => !responses.has(job.id));
-      if (missing.length === 0) break;
-      const left = deadline - Date.now();
-      if (left <= 0) {
-        throw new OrtqError('ResultTimeout', `no result for ${missing.length} of ${byId.size} job(s) within ${timeoutMs} ms`, { jobId: missing[0].id });
-      }
-      const pending = missing.slice(0, XREAD_STREAMS);
-      // Each block stays under the command timeout (section 4.2).
-      const block = Math.max(1, Math.min(left, this.socketTimeoutMs - 1000));
-      const streams = pending.map((job) => replyKey(job.model, job.id));
-      let reply;
       try {
-        reply = await this.blocking.xreadBuffer('BLOCK', block, 'STREAMS', ...streams, ...pending.map(() => '0-0'));
+        for (const job of byId.values()) {
+          if (responses.has(job.id)) continue;
+          if (this.kept.has(job.id)) responses.set(job.id, await this.#response(this.#take(job.id), job));
+          else if (!looks.has(job.id) && this.expected.get(job.id) !== job.model) looks.set(job.id, [0, LOOK_AGAIN_MS[0]]);
+        }
+        const missing = [...byId.values()].filter((job) => !responses.has(job.id));
+        if (missing.length === 0) break;
+        const now = Date.now();
+        if (deadline - now <= 0) {
+          if (outage !== null) throw outage;
+          throw new OrtqError('ResultTimeout', `no result for ${missing.length} of ${byId.size} job(s) within ${timeoutMs} ms`, { jobId: missing[0].id });
+        }
+        const due = missing.filter((job) => looks.get(job.id)?.[0] <= now);
+        if (due.length) {
+          for (const [job, frame] of await this.#lookUp(due)) {
+            responses.set(job.id, await this.#response(frame, job));
+            looks.delete(job.id);
+          }
+          for (const job of due) {
+            const [, delay] = looks.get(job.id) ?? [];
+            if (delay !== undefined) looks.set(job.id, [Date.now() + delay, Math.min(2 * delay, LOOK_AGAIN_MS[1])]);
+          }
+        } else {
+          let next = deadline;
+          for (const job of missing) next = Math.min(next, looks.get(job.id)?.[0] ?? deadline);
+          const waitMs = Math.max(1, next - now);
+          if (missing.some((job) => !looks.has(job.id))) await this.#readReplies(waitMs);
+          else await sleep(waitMs);
+        }
+        [outage, pause] = [null, OUTAGE_PAUSE_MS[0]];
       } catch (err) {
-        throw redisFailure(err, 'could not read replies', 'a reply key of these jobs holds something no worker wrote');
-      }
-      for (const [stream, entries] of reply ?? []) {
-        const key = stream.toString();
-        const job = byId.get(key.slice(key.lastIndexOf(':') + 1)); // job ids have no ':'
-        if (job === undefined) continue;
-        const fields = entries[0]?.[1] ?? [];
-        let frame = null;
-        for (let i = 0; i + 1 < fields.length; i += 2) if (fields[i].toString() === 'frame') frame = fields[i + 1];
-        if (frame === null) throw new OrtqError('CorruptRecord', `the reply of job ${job.id} (${key}) has no frame`, { jobId: job.id });
-        responses.set(job.id, this.#checked(frame, job));
+        if (!(err instanceof OrtqError && err.outage)) throw err;
+        outage = err;
+        await sleep(Math.max(0, Math.min(pause, deadline - Date.now())));
+        pause = Math.min(2 * pause, OUTAGE_PAUSE_MS[1]);
       }
     }
     for (const id of byId.keys()) this.jobs.delete(id);
     return wanted.map((job) => responses.get(job.id));
+  }
+
+  /** Jobs of `model` whose answers are to come through this client's reply stream of it. */
+  #expect(model, jobIds) {
+    const stream = replyKey(model, this.replyName);
+    if (!this.cursors.has(stream)) this.cursors.set(stream, '0-0');
+    for (const id of jobIds) {
+      this.expected.delete(id);
+      this.expected.set(id, model);
+    }
+    while (this.expected.size > RECENT_JOBS) this.#forget([this.expected.keys().next().value]);
+  }
+
+  /** Jobs whose answers are no longer kept (a wait for them looks them up). */
+  #forget(jobIds) {
+    for (const id of jobIds) {
+      this.expected.delete(id);
+      const frame = this.kept.get(id);
+      if (frame === undefined) continue;
+      this.kept.delete(id);
+      this.keptBytes -= frame.byteLength;
+    }
+  }
+
+  /** The frame read for job `id`, handed out once. */
+  #take(id) {
+    const frame = this.kept.get(id);
+    this.#forget([id]);
+    return frame;
+  }
+
+  /** Wait at most `waitMs` for the XREAD of this client's reply streams (section 4.1) to bring
+   * something: one read at a time, from each stream's cursor, its block under the command timeout
+   * (section 4.2); answers of expected jobs are kept for their waits. A read of another wait, which
+   * may block longer, is waited for at most `waitMs`. */
+  async #readReplies(waitMs) {
+    if (this.reading === null) {
+      const block = Math.max(1, Math.min(waitMs, this.socketTimeoutMs - 1000));
+      this.reading = this.#read(block).finally(() => {
+        this.reading = null;
+      });
+    }
+    let timer;
+    const timeout = new Promise((resolve) => {
+      timer = setTimeout(resolve, waitMs);
+    });
+    try {
+      await Promise.race([this.reading, timeout]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  async #read(block) {
+    const streams = [...this.cursors.keys()];
+    let reply;
+    try {
+      reply = await this.blocking.xreadBuffer('COUNT', READ_COUNT, 'BLOCK', block, 'STREAMS', ...streams, ...streams.map((key) => this.cursors.get(key)));
+    } catch (err) {
+      // Redis may have restarted or failed over, numbering new entries below the cursors: every
+      // stream is read again from its start (answers handed out already are not kept again).
+      if (!(err instanceof ReplyError)) for (const key of streams) this.cursors.set(key, '0-0');
+      throw redisFailure(err, 'could not read replies', 'a reply stream of this client holds something no worker wrote');
+    }
+    for (const [name, entries] of reply ?? []) {
+      const stream = name.toString();
+      if (!this.cursors.has(stream)) continue;
+      for (const [entryId, fields] of entries ?? []) {
+        this.cursors.set(stream, entryId.toString());
+        const { id, frame } = entryFields(fields);
+        if (id === null || frame === null) continue;
+        const model = this.expected.get(id);
+        if (model === undefined || this.kept.has(id) || replyKey(model, this.replyName) !== stream) continue;
+        this.kept.set(id, frame);
+        this.keptBytes += frame.byteLength;
+      }
+    }
+    while (this.keptBytes > KEPT_BYTES && this.kept.size > 0) this.#forget([this.kept.keys().next().value]);
+  }
+
+  /** Look `jobs` up in their hashes (section 4.1): [job, frame] of each whose hash names its answer
+   * (`ortq_reply`, `ortq_answer`), read alone from that entry; the others are not answered yet. */
+  async #lookUp(jobs) {
+    const probe = this.redis.pipeline();
+    for (const job of jobs) probe.hmget(this.jobKey(job.id), 'ortq_reply', 'ortq_answer');
+    const replies = await redisCall('could not look up answers', probe.exec());
+    const found = [];
+    for (const [i, job] of jobs.entries()) {
+      const [err, fields] = replies[i];
+      if (err) throw redisFailure(err, `could not look up the answer of job ${job.id}`, `its record ${this.jobKey(job.id)} is no hash`);
+      const [name, answer] = fields;
+      if (name === null || !REPLY_NAME.test(name) || answer === null) continue; // not (yet) answered, or gone
+      const before = entryBefore(answer);
+      if (before === null) {
+        throw new OrtqError('CorruptRecord', `the record of job ${job.id} names no entry of a reply stream (${JSON.stringify(answer)})`, { jobId: job.id });
+      }
+      const stream = replyKey(job.model, name);
+      const read = this.redis.xreadBuffer('COUNT', 1, 'STREAMS', stream, before);
+      const reply = await redisCall(`could not read the answer of job ${job.id}`, read, `${stream} holds no stream: no ortq worker wrote it`);
+      const [entryId, entry] = reply?.[0]?.[1]?.[0] ?? [];
+      const { id, frame } = entryFields(entry ?? []);
+      if (entryId?.toString() !== answer || id !== job.id || frame === null) {
+        throw new OrtqError('ResultTimeout', `the answer of job ${job.id} is not in ${stream}: no longer kept, or the job is not ${job.model}'s`, { jobId: job.id });
+      }
+      found.push([job, frame]);
+    }
+    return found;
+  }
+
+  /** The checked response of `job` in an answer's frame: an empty frame is a large answer, in the
+   * job's own stream (largeReplyKey). */
+  async #response(frame, job) {
+    if (frame.byteLength === 0) {
+      const key = largeReplyKey(job.model, job.id);
+      const read = this.redis.xreadBuffer('COUNT', 1, 'STREAMS', key, '0-0');
+      const reply = await redisCall(`could not read the large answer of job ${job.id}`, read, `${key} holds no stream: no ortq worker wrote it`);
+      frame = entryFields(reply?.[0]?.[1]?.[0]?.[1] ?? []).frame;
+      if (frame === null || frame.byteLength === 0) throw new OrtqError('CorruptRecord', `the large answer of job ${job.id} (${key}) is gone`, { jobId: job.id });
+    }
+    return this.#checked(frame, job);
   }
 
   /** {id, model, proof} of a job to wait for (proof null: its reply is not checked). */
@@ -585,6 +865,7 @@ export class Client {
       .exec();
     await redisCall(doing, records); // a job hash that is no hash: the job is off the queue anyway
     this.jobs.delete(jobId);
+    this.#forget([jobId]);
     return true;
   }
 

@@ -2,9 +2,9 @@
 
 The same methods, options, checks and errors as ``Producer`` (what both send and check is shared
 as I/O-free steps: ``steps``), awaited instead of blocking. Connections are shared by every coroutine:
-commands go through one pool of at most ``max_connections``, and waiting for results through one
-reader task (``replies.ReplyReader``) whose XREADs cover the reply streams of all awaited jobs at
-once, on at most ``max_reads`` more connections. One producer belongs to one event loop.
+commands go through one pool of at most ``max_connections``, and waiting for results through a
+pool of at most ``max_reads`` more, where one XREAD at a time reads the producer's reply streams
+for every awaiting coroutine (``replybook``, ``waiting``). One producer belongs to one event loop.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack
 
@@ -24,12 +25,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ortq import keys, redisfaults, redispack, sentinel, tracing, wire
-from ortq.errors import ConfigurationError, ResultTimeout
-from ortq.producer import cancelling, checks, enqueue, lookups, once, submitting
+from ortq.errors import BrokerUnavailable, ConfigurationError, ResultTimeout
+from ortq.producer import cancelling, checks, enqueue, lookups, once, submitting, waiting
 from ortq.producer.enqueue import SubmitOptions
-from ortq.producer.replies import ReplyReader
+from ortq.producer.replybook import ReplyBook
 from ortq.producer.routes import Routes
-from ortq.producer.steps import Command, Request, Round, Stepper, Steps
+from ortq.producer.steps import Await, Command, Read, Request, Round, Stepper, Steps
 from ortq.redisurls import redacted_url
 from ortq.settings import Settings
 from ortq.signature import ModelSignature
@@ -61,10 +62,12 @@ class AsyncInferenceJob(enqueue.JobHandle["AsyncProducer"]):
 
 @dataclass(frozen=True)
 class _Redis:
-    """What a producer holds per Redis: the commands' client and the reader of its reply streams."""
+    """What a producer holds per Redis: the commands' client, the client its waits read with, and
+    what they read."""
 
     connection: redis.asyncio.Redis
-    reader: ReplyReader
+    reader: redis.asyncio.Redis
+    book: ReplyBook
     #: Whether the producer opened ``connection`` (and closes it).
     owned: bool
 
@@ -97,6 +100,8 @@ class AsyncProducer:
             raise ConfigurationError(f"max_connections and max_reads must be >= 1, got {max_connections}, {max_reads}")
         self.validate = validate
         self.allow_unknown_models = allow_unknown_models
+        self.reply_name = keys.new_reply_name(self.settings.result_ttl)  # as Producer.reply_name
+        self._block = redisfaults.block_seconds(self.settings, self.settings.socket_timeout)
         self._max_connections = max_connections
         self._max_reads = max_reads
         self._default = self._open_redis(self.settings.redis_url, connection)
@@ -105,6 +110,7 @@ class AsyncProducer:
         self._routes = None if shards is None else Routes(shards, self._default, self._open_redis)
         self._signatures = checks.SignatureCache()
         self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
 
     def _open_redis(self, redis_url: str, connection: redis.asyncio.Redis | None = None) -> _Redis:
         """The commands' pool (or ``connection``) and the reply reader for one Redis. Opens nothing
@@ -134,17 +140,11 @@ class AsyncProducer:
             reader_client = self._reader_client(connection, options)
         except ValueError as exc:  # a query option redis-py cannot read
             raise ConfigurationError(f"redis_url {redacted_url(redis_url)!r}: {exc}") from None
-        reader = ReplyReader(
-            reader_client,
-            max_bytes=self.settings.max_frame_bytes,
-            block=redisfaults.block_seconds(self.settings, self.settings.socket_timeout),
-            reads=self._max_reads,
-        )
-        return _Redis(connection, reader, owned)
+        return _Redis(connection, reader_client, ReplyBook(self.reply_name), owned)
 
     def _reader_client(self, connection: redis.asyncio.Redis, options: dict[str, Any]) -> redis.asyncio.Redis:
-        """The reader's own pool: the same server and login as ``connection``'s, its blocks under
-        its socket timeout (the reader rides out an outage itself, backing off). For a Sentinel
+        """The waits' own pool: the same server and login as ``connection``'s, its blocks under
+        its socket timeout (a wait rides out an outage itself, backing off). For a Sentinel
         group: the same sentinels' primary, so that both pools follow a failover."""
         pool = connection.connection_pool
         kwargs = {**pool.connection_kwargs, **options}
@@ -177,7 +177,9 @@ class AsyncProducer:
         """Stop waiting (whoever still waits gets BrokerUnavailable) and close the connections."""
         if self._background:
             await asyncio.wait(self._background, timeout=self.settings.socket_timeout)
+        self._closed = True
         for each in [self._default, *([] if self._routes is None else self._routes.opened())]:
+            each.book.close("the producer was closed (aclose) while waiting for replies")
             await each.reader.aclose()
             if each.owned:
                 await each.connection.aclose()
@@ -258,11 +260,12 @@ class AsyncProducer:
         one MULTI/EXEC round trip."""
         options = checks.job_options(
             self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
-            priority=priority, version=version,
+            priority=priority, version=version, reply=self.reply_name,
         )  # fmt: skip
         check = lookups.ModelCheck(self._signatures, self.validate, self.allow_unknown_models, self._routes)
         make = functools.partial(AsyncInferenceJob, self)
-        steps = submitting.submit_many(self.settings, check, make, model, many_inputs, options, job_ids, unique)
+        book = self._redis_for(keys.check_model_name(model)).book
+        steps = submitting.submit_many(self.settings, check, make, model, many_inputs, options, job_ids, unique, book)
         return await self._run(model, steps)
 
     async def infer(
@@ -299,8 +302,9 @@ class AsyncProducer:
     async def wait_response(self, job_id: str, model: str, timeout: float, proof: bytes | None = None) -> wire.Response:
         """The job's response (see ``Producer.wait_response``)."""
         late = f"no result for job {job_id} within {timeout:g} s"
-        reader = self._redis_for(model).reader
-        return (await reader.wait([job_id], [model], [proof], checks.wait_timeout(timeout), late))[0]
+        return (
+            await self._wait(self._redis_for(model), [job_id], [model], [proof], checks.wait_timeout(timeout), late)
+        )[0]
 
     async def wait_responses(
         self,
@@ -314,13 +318,11 @@ class AsyncProducer:
         proofs = list(proofs) if proofs is not None else [None] * len(job_ids)
         timeout = checks.wait_timeout(timeout)
         if self._routes is None:
-            return await self._default.reader.wait(job_ids, models, proofs, timeout, None)
+            return await self._wait(self._default, job_ids, models, proofs, timeout, None)
         groups = self._routes.group(models)
         waits = [
             asyncio.ensure_future(
-                each.reader.wait(
-                    [job_ids[i] for i in at], [models[i] for i in at], [proofs[i] for i in at], timeout, None
-                )
+                self._wait(each, [job_ids[i] for i in at], [models[i] for i in at], [proofs[i] for i in at], timeout)
             )
             for each, at in groups
         ]
@@ -338,6 +340,25 @@ class AsyncProducer:
             responses.update(zip(at, wait.result(), strict=True))
         return [responses[i] for i in range(len(job_ids))]
 
+    async def _wait(
+        self,
+        each: _Redis,
+        job_ids: Sequence[str],
+        models: Sequence[str],
+        proofs: Sequence[bytes | None],
+        timeout: float,
+        late: str | None = None,
+    ) -> list[wire.Response]:
+        """The responses of jobs on one Redis, read through its waits' pool."""
+        if self._closed:
+            raise BrokerUnavailable("the producer is closed (aclose): it waits for nothing any more")
+        deadline = time.monotonic() + timeout
+        wait = waiting.Wait(job_ids, models, proofs, deadline, timeout, late)
+        steps = waiting.wait_for_responses(
+            wait, book=each.book, block=self._block, max_bytes=self.settings.max_frame_bytes
+        )
+        return await _run_on(each.reader, steps)
+
     async def results(self, jobs: Sequence[AsyncInferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
         """The outputs of many jobs, in order, waited for together. Raises InferenceFailed for the
         first job (in order) that failed, ResultTimeout if some had no result in time."""
@@ -353,21 +374,78 @@ class AsyncProducer:
         """Send what ``steps`` ask for to ``model``'s Redis (its client looked up at each send: never
         before the steps' first checks, as a model's name) and hand each reply back, or the exception
         sending raised (what it means is the steps' to say), until they return."""
-        stepper = Stepper(steps)
+        return await _run_on(functools.partial(self.connection_for, model), steps)
+
+
+async def _run_on(client: redis.asyncio.Redis | Callable[[], redis.asyncio.Redis], steps: Steps[T]) -> T:
+    """Send what ``steps`` ask for through ``client`` (or ``client()``, asked at each send), each
+    reply back, until they return; a cancelled await ends them where they stand."""
+    stepper = Stepper(steps)
+    try:
         while (request := stepper.next()) is not None:
             try:
-                stepper.reply(await _send(self.connection_for(model), request))
+                stepper.reply(await _send(client() if callable(client) else client, request))
             except Exception as exc:
                 stepper.fail(exc)
-        return stepper.result
+    finally:
+        stepper.close()
+    return stepper.result
+
+
+async def _read(connection: redis.asyncio.Redis, request: Read) -> Any:
+    """A blocking XREAD that its book may cut short (a stream added meanwhile): then None, as if its
+    block ran out (a cancelled read's connection is dropped, and another opened).
+
+    The read takes its connection itself: redis-py (8.2) loses a cancel that comes while it opens a
+    connection, and its XREAD would then block on regardless, holding the connection (the only one
+    where ``max_reads`` is 1) while the new stream's answer waits behind it. A read cut while it got
+    its connection sends nothing."""
+    cut = False
+
+    def cut_short() -> None:
+        nonlocal cut
+        cut = True
+        read.cancel()
+
+    async def xread() -> Any:
+        pool = connection.connection_pool
+        reader = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            if cut:
+                return None
+            streams: dict[str, bytes] = request.args[0]
+            await reader.send_command(
+                "XREAD", "COUNT", request.kwargs["count"], "BLOCK", request.kwargs["block"],
+                "STREAMS", *streams, *streams.values(),
+            )  # fmt: skip
+            return await connection.parse_response(reader, "XREAD")
+        finally:
+            await pool.release(reader)
+
+    read = asyncio.ensure_future(xread())
+    request.book.add_cut(cut_short)
+    try:
+        return await read
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this wait itself was cancelled
+        return None
+    finally:
+        request.book.remove_cut(cut_short)
 
 
 async def _send(connection: redis.asyncio.Redis, request: Request) -> Any:
+    if isinstance(request, Read):
+        return await _read(connection, request)
     if isinstance(request, Command):
         return await getattr(connection, request.name)(*request.args, **request.kwargs)
     if isinstance(request, Round):
         async with connection.pipeline(transaction=request.transaction) as pipe:
             request.queue(pipe)
             return await (once.execute_async(pipe) if request.once else pipe.execute(raise_on_error=False))
+    if isinstance(request, Await):
+        await request.book.wait_change_async(request.seen, request.seconds, request.job_ids)
+        return None
     await asyncio.sleep(request.seconds)
     return None

@@ -69,8 +69,10 @@ def job_options(
     retry_backoff: object = 0,
     priority: object = "normal",
     version: object = None,
+    reply: str = "",
 ) -> JobOptions:
-    """The per-job options of a submit, checked (ConfigurationError says which one is wrong)."""
+    """The per-job options of a submit, checked (ConfigurationError says which one is wrong);
+    ``reply``: the name of the producer's reply stream its answers go to (keys.new_reply_name)."""
     if isinstance(retries, bool) or not isinstance(retries, numbers.Integral):
         raise ConfigurationError(f"retries must be a whole number, got {retries!r}")
     if not 0 <= int(retries) <= MAX_RETRIES:
@@ -87,6 +89,7 @@ def job_options(
         retry_backoff=seconds("retry_backoff", retry_backoff, zero=True),
         priority=priority,
         version=None if version is None else keys.check_version_name(version),
+        reply=reply,
     )
 
 

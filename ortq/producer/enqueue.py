@@ -89,6 +89,7 @@ class JobOptions:
     retry_backoff: int = 0  # seconds before the first retry, doubling for each next one; 0: at once
     priority: str = "normal"  # one of PRIORITIES
     version: str | None = None  # the model version it is pinned to (None: any)
+    reply: str = ""  # the name of the reply stream its producer reads (keys.new_reply_name)
 
     @property
     def wait_ttl(self) -> int:
@@ -146,6 +147,8 @@ def job_hash(model: str, options: JobOptions, now: str) -> dict[str, Any]:
         "result_ttl": options.result_ttl,
         "failure_ttl": options.failure_ttl,
     }
+    if options.reply:
+        fields["ortq_reply"] = options.reply
     if options.ttl is not None:
         fields["ttl"] = options.ttl
     if options.priority != "normal":
@@ -297,7 +300,7 @@ def add_enqueue_unique(
     fields = job_hash(model, options, now or layout.utcformat(layout.utcnow()))
     names = [keys.job_key(job_id), keys.queue_key(model), keys.last_high_key(model)]
     args = [job_id, frame_argument(frame), wait, wait + options.failure_ttl, options.priority, keys.queue_name(model)]
-    args += [keys.request_key(model, job_id), keys.reply_key(model, job_id), keys.RQ_QUEUES_SET]
+    args += [keys.request_key(model, job_id), keys.RQ_QUEUES_SET]
     args += [part for pair in fields.items() for part in pair]
     if by_eval:
         pipe.eval(redisfunctions.unique_script_source(), len(names), *names, *args)

@@ -19,8 +19,9 @@ from ortq import keys, redisfaults, tracing, wire
 from ortq.errors import ResultTimeout
 from ortq.producer import cancelling, checks, enqueue, lookups, once, submitting, waiting
 from ortq.producer.enqueue import SubmitOptions
+from ortq.producer.replybook import ReplyBook
 from ortq.producer.routes import Routes
-from ortq.producer.steps import Command, Request, Round, Stepper, Steps
+from ortq.producer.steps import Await, Command, Request, Round, Stepper, Steps
 from ortq.redisurls import redacted_url
 from ortq.settings import Settings
 from ortq.signature import ModelSignature
@@ -86,6 +87,9 @@ class Producer:
         self.validate = validate
         self.allow_unknown_models = allow_unknown_models
         self._signatures = checks.SignatureCache()
+        #: The name of this producer's reply streams (one a model: docs/wire-format.md, 4.1).
+        self.reply_name = keys.new_reply_name(self.settings.result_ttl)
+        self._books: dict[int, ReplyBook] = {}  # id of a Redis client -> the replies read through it
         self._block = self._block_seconds(self.connection)
         shards = self.settings.shards
         self._routes = None if shards is None else Routes(shards, self.connection, self._open_redis)
@@ -102,6 +106,13 @@ class Producer:
         """The client of ``model``'s Redis: :attr:`connection`, unless the shard map puts the model
         on another Redis."""
         return self.connection if self._routes is None else self._routes.client(model)
+
+    def _book(self, connection: redis.Redis) -> ReplyBook:
+        """The replies read through ``connection`` (one book a Redis)."""
+        book = self._books.get(id(connection))
+        if book is None:
+            book = self._books[id(connection)] = ReplyBook(self.reply_name)
+        return book
 
     def close(self) -> None:
         self.connection.close()
@@ -191,11 +202,12 @@ class Producer:
         one MULTI/EXEC round trip; see :meth:`submit` for the options."""
         options = checks.job_options(
             self.settings, ttl=ttl, job_timeout=job_timeout, retries=retries, retry_backoff=retry_backoff,
-            priority=priority, version=version,
+            priority=priority, version=version, reply=self.reply_name,
         )  # fmt: skip
         check = lookups.ModelCheck(self._signatures, self.validate, self.allow_unknown_models, self._routes)
         make = functools.partial(InferenceJob, self)
-        steps = submitting.submit_many(self.settings, check, make, model, many_inputs, options, job_ids, unique)
+        book = self._book(self.connection_for(keys.check_model_name(model)))
+        steps = submitting.submit_many(self.settings, check, make, model, many_inputs, options, job_ids, unique, book)
         return self._run(model, steps)
 
     def infer(
@@ -217,9 +229,9 @@ class Producer:
     # ------------------------------------------------------------------ waiting
 
     def wait_response(self, job_id: str, model: str, timeout: float, proof: bytes | None = None) -> wire.Response:
-        """Wait for the response of ``model``'s job ``job_id`` (its reply stream, read with XREAD,
-        which leaves it for other readers until it expires); with ``proof`` (JobHandle.proof),
-        check that it answers that request."""
+        """Wait for the response of ``model``'s job ``job_id`` (its entry in its producer's reply
+        stream, read with XREAD, which leaves it there until it expires); with ``proof``
+        (JobHandle.proof), check that it answers that request."""
         deadline = time.monotonic() + checks.wait_timeout(timeout)
         late = f"no result for job {job_id} within {timeout:g} s"
         connection = self.connection_for(model)
@@ -251,7 +263,8 @@ class Producer:
 
     def _wait(self, connection: redis.Redis, wait: waiting.Wait) -> list[wire.Response]:
         block = self._block if connection is self.connection else self._block_seconds(connection)
-        steps = waiting.wait_for_responses(wait, block=block, max_bytes=self.settings.max_frame_bytes)
+        book = self._book(connection)
+        steps = waiting.wait_for_responses(wait, book=book, block=block, max_bytes=self.settings.max_frame_bytes)
         return _run_on(lambda: connection, steps)
 
     def results(self, jobs: Sequence[InferenceJob], timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
@@ -283,11 +296,14 @@ def _run_on(client: Callable[[], redis.Redis], steps: Steps[T]) -> T:
     first checks, as a model's name) and hand each reply back, or the exception sending raised
     (what it means is the steps' to say), until they return."""
     stepper = Stepper(steps)
-    while (request := stepper.next()) is not None:
-        try:
-            stepper.reply(_send(client(), request))
-        except Exception as exc:
-            stepper.fail(exc)
+    try:
+        while (request := stepper.next()) is not None:
+            try:
+                stepper.reply(_send(client(), request))
+            except Exception as exc:
+                stepper.fail(exc)
+    finally:
+        stepper.close()  # after an interrupt: a read begun is ended
     return stepper.result
 
 
@@ -298,5 +314,8 @@ def _send(connection: redis.Redis, request: Request) -> Any:
         with connection.pipeline(transaction=request.transaction) as pipe:
             request.queue(pipe)
             return once.execute(pipe) if request.once else pipe.execute(raise_on_error=False)
+    if isinstance(request, Await):
+        request.book.wait_change(request.seen, request.seconds, request.job_ids)
+        return None
     time.sleep(request.seconds)
     return None

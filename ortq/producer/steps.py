@@ -2,9 +2,10 @@
 ``AsyncProducer`` are only transports of one command sequence each, not two copies of it.
 
 A step sequence is a generator: it yields what to send (a :class:`Command`, a :class:`Round` of
-pipelined commands, a :class:`Pause`), is sent back the reply, or thrown the exception that
-sending raised (redis-py's, the same class for both producers), and returns its result. Every
-decision, argument and reply check is in the generator; a producer runs it through a
+pipelined commands, a :class:`Pause`, an :class:`Await` of another wait's read), is sent back the
+reply, or thrown the exception that sending raised (redis-py's, the same class for both
+producers), and returns its result. Every decision, argument and reply check is in the generator;
+a producer runs it through a
 :class:`Stepper` with blocking calls, the other awaiting them. Sequences compose with
 ``yield from``. The modules that hold them: ``lookups`` (signatures, workers, job status),
 ``submitting``, ``cancelling``, ``waiting`` (the blocking producer's wait for replies).
@@ -35,6 +36,19 @@ class Command:
         return f"Command({self.name!r}, ...)"
 
 
+class Read(Command):
+    """A blocking XREAD of ``book``'s streams (a replybook.ReplyBook) that the book may cut short
+    when a stream is added to it (AsyncProducer's read, on a connection it takes itself, is cancelled
+    or never sent; the reply is then None, as for a block that ran out). A blocking producer reads
+    a new stream beside it instead."""
+
+    __slots__ = ("book",)
+
+    def __init__(self, book: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__("xread", *args, **kwargs)
+        self.book = book
+
+
 class Round:
     """Commands sent in one round trip: ``queue(pipe)`` queues them on a redis-py pipeline (a
     MULTI/EXEC with ``transaction``); the reply is each command's, an error in the place of one
@@ -62,7 +76,21 @@ class Pause:
         self.seconds = seconds
 
 
-Request = Command | Round | Pause
+class Await:
+    """Wait for another wait's read of ``book`` (a replybook.ReplyBook) to bring an answer of
+    ``job_ids`` or to end (``ReplyBook.wait_change``), at most ``seconds`` (blocking, or awaiting);
+    the reply is None."""
+
+    __slots__ = ("book", "job_ids", "seconds", "seen")
+
+    def __init__(self, book: Any, seen: int, seconds: float, job_ids: list[str]) -> None:
+        self.book = book
+        self.seen = seen
+        self.seconds = seconds
+        self.job_ids = job_ids
+
+
+Request = Command | Round | Pause | Await
 #: A step sequence that returns a T.
 Steps = Generator[Request, Any, T]
 
@@ -85,6 +113,11 @@ class Stepper(Generic[T]):
         except StopIteration as done:
             self.result: T = done.value
             return None
+
+    def close(self) -> None:
+        """End the sequence where it stands (its ``finally`` blocks run): its transport stopped
+        driving it (a cancelled await)."""
+        self._steps.close()
 
     def reply(self, reply: Any) -> None:
         self._reply = reply

@@ -13,6 +13,7 @@ from ortq import keys, redisfaults, replication
 from ortq.errors import BrokerUnavailable, ConfigurationError
 from ortq.producer import checks, enqueue, lookups
 from ortq.producer.enqueue import JobOptions
+from ortq.producer.replybook import ReplyBook
 from ortq.producer.steps import Command, Round, Steps, function_calls
 from ortq.rqcompat import layout
 from ortq.settings import Settings
@@ -29,10 +30,12 @@ def submit_many(
     options: JobOptions,
     job_ids: Iterable[str] | None,
     unique: bool,
+    book: ReplyBook | None = None,
 ) -> Steps[list[H]]:
     """Validate every job (model, inputs, ids, queue room), then enqueue them all; returns their
     handles (``make``: the producer's handle class, bound to it). ``options``: checked already
-    (checks.job_options), before anything else."""
+    (checks.job_options), before anything else. ``book``: the producer's reply book of this Redis,
+    told of the jobs before they are sent (their answers may come before the enqueue returns)."""
     checks.unique_needs_ids(unique, job_ids)  # before any round trip: nothing is sent
     signature = yield from lookups.checked_model(check, model, options.version)
     many = list(many_inputs)
@@ -57,10 +60,10 @@ def submit_many(
     digest = None if signature is None else signature.digest
     try:
         if chosen is not None:
-            results = yield from _enqueue_unique(model, frames, options, chosen)
+            results = yield from _enqueue_unique(model, frames, options, chosen, book)
             yield from _confirmed(settings)
             return enqueue.chosen_handles(make, model, chosen, nonces, results, unique, digest, options.version)
-        ids = yield from _enqueue(model, frames, options)
+        ids = yield from _enqueue(model, frames, options, book)
         yield from _confirmed(settings)
     except replication.ConfirmRefused as exc:  # after the enqueue went through: not "could not enqueue"
         raise ConfigurationError(f"{len(frames)} job(s) for {model!r} were enqueued but not confirmed: {exc}") from exc
@@ -72,17 +75,17 @@ def submit_many(
     return [make(i, model, nonce, digest, options.version) for i, nonce in zip(ids, nonces, strict=True)]
 
 
-def _enqueue(model: str, frames: list[bytes], options: JobOptions) -> Steps[list[str]]:
+def _enqueue(model: str, frames: list[bytes], options: JobOptions, book: ReplyBook | None) -> Steps[list[str]]:
     """One MULTI of the jobs; a high-priority insert that found no Redis function is done by EVAL
     instead; any other job Redis refused is removed again (its request and hash) and reported,
     so that nothing is left half-enqueued. Returns the jobs' ids."""
-    ids = _new_ids(frames)
+    ids = _new_ids(frames, model, book)
     try:
         results = yield from _multi(model, frames, options, ids, False)
     except redis.ResponseError as exc:
         if not enqueue.is_refused_fcall(exc, options):
             raise
-        ids = _new_ids(frames)
+        ids = _new_ids(frames, model, book)
         results = yield from _multi(model, frames, options, ids, True)
     if results is None:  # it ran, and its replies were lost: a MULTI goes in whole
         return ids
@@ -126,20 +129,17 @@ def _multi(
 
 
 def _went_in(model: str, ids: list[str]) -> Steps[bool]:
-    """Whether any of the jobs ``ids`` is in Redis: its job hash, or (answered and gone since) its reply."""
-    replies = yield Round(lambda pipe: _probes(pipe, model, ids), transaction=False)
+    """Whether any of the jobs ``ids`` is in Redis: its job hash (it lives on after its answer)."""
+    replies = yield Round(lambda pipe: _probes(pipe, ids), transaction=False)
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
-    return any(origin is not None for origin in replies[0::2]) or any(
-        keys.as_text(kind) != "none" for kind in replies[1::2]
-    )
+    return any(origin is not None for origin in replies)
 
 
-def _probes(pipe: Any, model: str, ids: list[str]) -> None:
+def _probes(pipe: Any, ids: list[str]) -> None:
     for job_id in ids:
         pipe.hget(keys.job_key(job_id), "origin")
-        pipe.type(keys.reply_key(model, job_id))
 
 
 def _confirmed(settings: Settings) -> Steps[None]:
@@ -150,7 +150,20 @@ def _confirmed(settings: Settings) -> Steps[None]:
         confirm.check((yield Round(confirm.queue, transaction=False)))
 
 
-def _enqueue_unique(model: str, frames: list[bytes], options: JobOptions, ids: list[str]) -> Steps[list[Any]]:
+def _enqueue_unique(
+    model: str, frames: list[bytes], options: JobOptions, ids: list[str], book: ReplyBook | None
+) -> Steps[list[Any]]:
+    """:func:`_enqueue_unique_calls`, the book told of the jobs first, and then of those that were
+    there already (answered where their first submitter reads)."""
+    if book is not None:
+        book.expect(model, ids)
+    results = yield from _enqueue_unique_calls(model, frames, options, ids)
+    if book is not None:
+        book.forget(job_id for job_id, result in zip(ids, results, strict=True) if result != 1)
+    return results
+
+
+def _enqueue_unique_calls(model: str, frames: list[bytes], options: JobOptions, ids: list[str]) -> Steps[list[Any]]:
     """Each job under the id chosen for it unless a job of that id exists (never overwritten): by
     FCALL, or EVAL where this Redis lacks the function; the replies of ``enqueue_unique.lua``.
 
@@ -181,26 +194,25 @@ def _enqueue_unique(model: str, frames: list[bytes], options: JobOptions, ids: l
 def _unique_outcomes(model: str, ids: list[str], now: str) -> Steps[list[Any]]:
     """What ``enqueue_unique.lua`` answered for each of ``ids``, read back after its reply was lost:
     1 where the job is there with this submit's ``created_at`` (``now``), 0 where a job of that id
-    and model is there otherwise (or its reply), -1 where another model's is (or another type of
-    key), None where nothing is."""
+    and model is there otherwise, -1 where another model's is (or another type of key), None where
+    nothing is."""
     queue = keys.queue_name(model)
 
     def probes(pipe: Any) -> None:
         for job_id in ids:
             pipe.hget(keys.job_key(job_id), "origin")
             pipe.hget(keys.job_key(job_id), "created_at")
-            pipe.type(keys.reply_key(model, job_id))
 
     replies = yield Round(probes, transaction=False)
     outcomes: list[Any] = []
-    for origin, created, reply in zip(replies[0::3], replies[1::3], replies[2::3], strict=True):
-        for answer in (origin, created, reply):
+    for origin, created in zip(replies[0::2], replies[1::2], strict=True):
+        for answer in (origin, created):
             if isinstance(answer, Exception) and not redisfaults.is_wrong_type(answer):
                 raise answer
         if isinstance(origin, Exception):
             outcomes.append(-1)  # no hash there
         elif origin is None:
-            outcomes.append(None if keys.as_text(reply) == "none" else 0)
+            outcomes.append(None)
         elif keys.as_text(origin) != queue:
             outcomes.append(-1)
         else:
@@ -208,8 +220,11 @@ def _unique_outcomes(model: str, ids: list[str], now: str) -> Steps[list[Any]]:
     return outcomes
 
 
-def _new_ids(frames: list[bytes]) -> list[str]:
-    return enqueue.new_job_ids(len(frames))
+def _new_ids(frames: list[bytes], model: str, book: ReplyBook | None) -> list[str]:
+    ids = enqueue.new_job_ids(len(frames))
+    if book is not None:
+        book.expect(model, ids)
+    return ids
 
 
 def _enqueues_high_by_eval(pipe: Any, model: str, ids: list[str], options: JobOptions) -> None:

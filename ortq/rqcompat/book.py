@@ -302,8 +302,17 @@ class Book:
         # A start's jobs share their moment: (working seconds, started) once per moment, by number.
         moments: dict[datetime, int] = {}
         pairs: list[str] = []
+        replies: dict[bytes | None, tuple[str, int]] = {}
         for job in jobs:
             started = job.started
+            # The reply stream its hash names (most batches: one producer's, checked once); none
+            # ('', 0): answered nowhere (the worker's check fails such a job before it runs).
+            named_reply = started.fields.get(b"ortq_reply")
+            if (reply := replies.get(named_reply)) is None:
+                keep = keys.reply_keep(named_reply)
+                reply = replies[named_reply] = (
+                    ("", 0) if keep is None or named_reply is None else (named_reply.decode(), keep)
+                )
             if (moment := moments.get(started.started_at)) is None:
                 started_at = started.started_at.timestamp()
                 # Floats as redis-py would send them (repr), so that the records read as before.
@@ -315,7 +324,7 @@ class Book:
                 staged.append(job)
             else:
                 frame = frame_argument(job.frame)
-            per_job += (started.job_id, started.execution_id, job.ttl, moment, value, frame)
+            per_job += (started.job_id, started.execution_id, job.ttl, moment, value, frame, *reply)
         named = {
             "queue": self.queue.name,
             "worker": self.worker_name,

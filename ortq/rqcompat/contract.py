@@ -33,6 +33,7 @@ JOB_FIELDS = (
     "stopped_callback_name",
     "origin",
     "ortq_version",
+    "ortq_reply",
 )
 
 #: The arguments every ortq script gets first (common.lua reads them).
@@ -85,9 +86,11 @@ SCRIPT_ARGS: dict[str, tuple[str, ...]] = {
 
 #: finish.lua's values per job, after the moments: the job id, its execution id, its answer's ttl,
 #: its moment (1-based, into the moments' pairs), RQ's return value (base64 msgpack; '' writes no
-#: result stream entry) and its response frame ('' when staged: its frame waits in its stage
-#: stream, written beside the call, and is renamed to its reply).
-FINISH_JOB = ("id", "execution", "ttl", "moment", "value", "frame")
+#: result stream entry), its response frame ('' when staged: its frame waits in its stage
+#: stream, written beside the call, and is renamed to its large reply key), the name of the reply
+#: stream it is answered in (its job hash's ``ortq_reply``, checked: keys.reply_keep) and the
+#: seconds that stream keeps its entries.
+FINISH_JOB = ("id", "execution", "ttl", "moment", "value", "frame", "reply", "keep")
 
 #: start.lua's reply: LEFT (the queue's length afterwards: its backlog) and SKIPPED (how many
 #: queue entries were not started) first, then SKIPPED pairs of (entry, reason), then per started

@@ -179,6 +179,11 @@ def _check_record(job: JobRecord, started: StartedJob, model: str, waited: float
         raise UnknownJobFunction(job.forbidden)
     if job.model != model:
         raise InvalidJob(f"the job's record names another model than {model!r}, the one this worker serves")
+    if job.reply is None:  # its answer would reach no one: the run is not made
+        raise InvalidJob(
+            f"job {job.job_id} names no reply stream (ortq_reply) to answer in: it was enqueued by a producer of "
+            f"another ortq protocol than {keys.PROTOCOL}, or its record was rewritten"
+        )
     if job.ttl is not None and job.ttl > 0 and waited is not None and waited > job.ttl:
         raise RequestExpired(f"job {job.job_id} waited {waited:.1f} s for a worker, past its ttl of {job.ttl} s")
 
@@ -321,7 +326,7 @@ def finished(computed: Computed, rq_result: bool = True) -> Finished:
     if not rq_result:
         return Finished(member.started, frame, computed.ttl, None, timings)
     summary = {
-        "reply_key": keys.reply_key(member.model, member.job.job_id),
+        "reply_key": keys.reply_key(member.model, member.job.reply or ""),
         "outputs": layout.shapes if layout is not None else _shapes(outputs),
         "batch_size": computed.batch_size,
         "timings": timings,

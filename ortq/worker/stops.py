@@ -3,7 +3,7 @@ an operator's (RQ's ``stop-job`` command on the worker's channel).
 
 A producer may not publish on a worker's command channel (docs/security.md: with that right it could
 also shut workers down), so it marks the job instead: ``ortq_stop`` in the job hash, written by
-``ortq_request_stop_v2`` only while the job is started. The heartbeat thread reads whether that
+``ortq_request_stop_v3`` only while the job is started. The heartbeat thread reads whether that
 field holds something of a stop token's length (one HSTRLEN a job) for every job the worker holds,
 in the heartbeat's round trip, and every STOP_POLL_SECONDS between heartbeats for the jobs held that
 long, and then reads those marks; RQ's command is read as it arrives.

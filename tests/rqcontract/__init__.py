@@ -36,9 +36,9 @@ Taking ortq's side of a scenario (for the lead's contract tests)::
 
 Placeholders must be the ones the reference uses: ``<job>`` (``<job1>``, ``<job2>`` in the
 ``worker`` scenario), ``<queue>``, ``<worker>``; execution ids are found and named ``<exec>``
-by ``snapshot`` itself. ortq's own keys (``ortq:req:<job>``, ``ortq:reply:<job>``, model keys)
-are not RQ's: drop them with ``.without("ortq:*")``; compare only a worker's records with
-``.select(lambda key: "<worker>" in key or key == "rq:workers")``.
+by ``snapshot`` itself. ortq's own keys (``ortq:req:<model>:<job>``, the producers' reply streams
+``ortq:reply:<model>:<reply name>``, model keys) are not RQ's: drop them with ``.without("ortq:*")``;
+compare only a worker's records with ``.select(lambda key: "<worker>" in key or key == "rq:workers")``.
 
 ``allowed`` maps fnmatch patterns over difference locations to the reason each is intended,
 e.g.::
@@ -48,6 +48,8 @@ e.g.::
         "rq:job:<job> field description": "same",
         "rq:job:<job> field *_callback_name": "RQ's enqueue writes empty callback fields; ortq never writes them",
         "rq:job:<job> field group_id": "same",
+        "rq:job:<job> field ortq_reply": "the reply stream ortq's producer reads; RQ has none",
+        "rq:job:<job> field ortq_answer": "the job's entry in that stream; RQ has none",
         "rq:results:<job> entry 0 field return_value": "ortq's reply summary, not the reference job's value",
     }
 

@@ -43,7 +43,10 @@ ENQUEUE = {
     f"{_JOB} field description": "ortq's job description",
     f"{_JOB} field *_callback_name": "RQ's full job-hash writes add empty callback fields; ortq never writes them",
     f"{_JOB} field group_id": "RQ's full job-hash writes add an empty group_id; ortq's jobs have no group",
+    f"{_JOB} field ortq_reply": "the reply stream ortq's producer reads the answer from (protocol 4); RQ has none",
 }
+#: What an answered job's hash holds that RQ's does not: where its answer is.
+ANSWERED = {f"{_JOB} field ortq_answer": "the id of the job's entry in its reply stream (protocol 4); RQ has no reply"}
 #: Fields RQ's enqueue writes empty and ortq writes when they happen.
 NOT_YET = {
     f"{_JOB} field {name}": f"RQ writes {name} empty at enqueue; ortq writes it when it happens"
@@ -163,7 +166,7 @@ def test_success(contract_connection: redis.Redis, contract_url: str) -> None:
     ours["heartbeat"] = side.snap()
     side.finish(started)
     ours["ended"] = side.snap()
-    check(ours, theirs)
+    check(ours, theirs, ended=ANSWERED)
 
 
 def test_failure(contract_connection: redis.Redis, contract_url: str) -> None:
@@ -176,7 +179,7 @@ def test_failure(contract_connection: redis.Redis, contract_url: str) -> None:
     ours["started"] = side.snap()
     side.fail(started)
     ours["ended"] = side.snap()
-    check(ours, theirs, ended=EXC)
+    check(ours, theirs, ended={**EXC, **ANSWERED})
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["retry_now", "retry_later"])
@@ -231,5 +234,9 @@ def test_a_real_worker_ends_a_job_as_rq_does(
     finished = layout.QueueKeys.of(side.queue).finished
     eventually(lambda: contract_connection.zscore(finished, side.jobs[0]) is not None)
     ended = side.snap().select(lambda key: "<job>" in key)
-    allowed = {**ENQUEUE, "rq:results:<job> entry 0 field return_value": "ortq's reply summary, not the reference's"}
+    allowed = {
+        **ENQUEUE,
+        **ANSWERED,
+        "rq:results:<job> entry 0 field return_value": "ortq's reply summary, not the reference's",
+    }
     assert_same(ended, theirs["ended"].select(lambda key: "<job>" in key), allowed)

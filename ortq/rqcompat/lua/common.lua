@@ -49,11 +49,11 @@ local function job_key(id) return PREFIX .. ':job:' .. id end
 local function wip_key(queue) return PREFIX .. ':wip:' .. queue end
 local function queue_key(queue) return PREFIX .. ':queue:' .. queue end
 local function worker_key(worker) return PREFIX .. ':worker:' .. worker end
--- A job's request frame and reply, named by its model (the queue's name less ORTQ: ortq:<model>),
--- so that a per-model ACL rule covers them (docs/security.md).
+-- A job's request frame and its producer's reply stream, named by its model (the queue's name
+-- less ORTQ: ortq:<model>), so that a per-model ACL rule covers them (docs/security.md).
 local function model_of(queue) return string.sub(queue, #ORTQ + 1) end
 local function request_key(queue, id) return K.request .. model_of(queue) .. ':' .. id end
-local function reply_key(queue, id) return K.reply .. model_of(queue) .. ':' .. id end
+local function reply_stream(queue, name) return K.reply .. model_of(queue) .. ':' .. name end
 
 -- The command `head` (its name and any key: {'ZADD', key}) with `items` after it, in calls of at
 -- most CHUNK items: Lua's unpack takes a few thousand values at most, and a batch may be larger.
@@ -76,21 +76,6 @@ local function each_chunk(call, head, items)
   if type(last) == 'table' and not last.err then return joined end
   if type(last) == 'number' then return sum end
   return last
-end
-
--- A job's reply stream: its one response frame as the only entry (producers read it with XREAD,
--- which writes nothing). The key must be empty first: see answer.
-local function post(queue, id, frame, ttl)
-  local reply = reply_key(queue, id)
-  redis.call('XADD', reply, '*', 'frame', frame)
-  redis.call('EXPIRE', reply, ttl)
-end
-
--- Answer a job: whatever was in its reply key is replaced, so a job is answered once (start.lua
--- starts no job whose reply stream exists).
-local function answer(queue, id, frame, ttl)
-  redis.call('DEL', reply_key(queue, id))
-  post(queue, id, frame, ttl)
 end
 
 -- The reply of a redis.pcall on a key that anyone may have filled with another type or content:
@@ -128,6 +113,40 @@ end
 -- (but the ACL's: see unless_acl).
 local function remove(...)
   unless_acl(redis.pcall(...), (...))
+end
+
+-- The reply stream `name` of a job hash names (its `ortq_reply`: a producer's token of 1-64
+-- characters, '.', the seconds its entries are kept: keys.reply_keep), and that keep; nil when
+-- it names none (a producer of another protocol, or a forged field): the job cannot be answered.
+local function reply_of(job)
+  local name = hget(job, 'ortq_reply')
+  if not name or #name > 73 then return nil end
+  local token, keep = string.match(name, '^([%w_%-]+)%.([1-9]%d*)$')
+  if not token or #token > 64 or #keep > 8 then return nil end
+  return name, math.min(tonumber(keep), YEAR)
+end
+
+-- The oldest entry id a reply stream whose entries are kept `keep` seconds holds at `now` (epoch s).
+local function oldest_kept(now, keep) return string.format('%d', (now - keep) * 1000) end
+
+-- One answer in reply stream `key`: entries older than `minid` (oldest_kept) are trimmed as it is
+-- written. A key of another type there is no ortq reply stream: it is replaced (write). Returns
+-- the entry's id.
+local function post(key, minid, id, frame)
+  return write('XADD', key, 'MINID', '~', minid, '*', 'id', id, 'frame', frame)
+end
+
+-- Answer one job (fail, reject, recover): an entry in the reply stream its hash names, which then
+-- lives `keep` seconds more, and the entry's id in the job hash (`ortq_answer`: where a producer
+-- that did not read the stream finds it). A job that names no reply stream is answered nowhere.
+local function answer(queue, id, frame, now)
+  local job = job_key(id)
+  local name, keep = reply_of(job)
+  if not name then return end
+  local key = reply_stream(queue, name)
+  local entry = post(key, oldest_kept(now, keep), id, frame)
+  redis.call('EXPIRE', key, keep)
+  redis.call('HSET', job, 'ortq_answer', entry)
 end
 
 -- RQ's execution records of one run end: the execution hash, its entry in the job's executions,

@@ -1,5 +1,5 @@
 -- Fail one started job, if this execution still owns it (fencing, as in finish.lua): its error
--- reply first, then what RQ's handle_job_failure writes (job status, failed registry, result
+-- reply first (in the reply stream its job hash names), then what RQ's handle_job_failure writes (job status, failed registry, result
 -- stream, TTLs, the end of the execution, the worker's counters). With a retry left, instead of
 -- an answer the job goes back to its queue (at once) or into the scheduled registry (later), as
 -- RQ's Job.retry puts it, with its request frame kept.
@@ -24,7 +24,7 @@ local ttl, now, retry = tonumber(A.ttl), tonumber(A.now), A.retry
 local job = job_key(id)
 local is_hash = kind(job) == 'hash'
 if retry == '' then
-  answer(queue, id, A.error, ttl)
+  answer(queue, id, A.error, now)
   redis.call('DEL', request_key(queue, id))
   if is_hash then
     redis.call('HSET', job, 'status', A.status == 'stopped' and 'stopped' or 'failed', 'ended_at', A.now_iso)

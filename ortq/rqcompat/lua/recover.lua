@@ -27,7 +27,7 @@ if times > tonumber(ARGV[9]) then
   redis.call('XADD', results, 'MAXLEN', '~', '10', '*', 'type', '2', 'worker_name', ARGV[8],
              'exc_string', ARGV[14], 'execution_id', execution, 'execution_ended_at', ARGV[11])
   redis.call('EXPIRE', results, ttl)
-  answer(queue, id, ARGV[13], ttl)
+  answer(queue, id, ARGV[13], now)
   redis.call('DEL', request_key(queue, id))
   return 'failed'
 end

@@ -7,9 +7,10 @@
 -- Arguments and the reply's layout: contract.SCRIPT_ARGS['start'], START_HEAD and START_JOB. The
 -- reply is one flat array (no table per job: building nested replies was a large part of this
 -- script's time), entries cut to 200 bytes in the skipped pairs.
--- Not started (skipped, and left as they are): an entry that is no job id; a job whose reply exists
--- ('answered': a job is answered once, and an id pushed again, whatever its record now says, is a
--- replay); a job whose record is gone or no hash; one whose status says it runs, ran or waits
+-- Not started (skipped, and left as they are): an entry that is no job id; a job in this queue's
+-- finished or failed registry ('answered': a job is answered once, and an id pushed again,
+-- whatever its record now says, is a replay; workers alone write those registries, one ZMSCORE
+-- each for all the jobs of a call); a job whose record is gone or no hash; one whose status says it runs, ran or waits
 -- elsewhere; one whose `origin` is another queue (pushed onto this model's queue by someone else:
 -- it is its own model's workers' to run); a job pinned to another version of the model than A.version
 -- ('parked': its id goes to ortq:parked:<model>@<its version>, which workers of that version take
@@ -28,7 +29,7 @@ local parked_prefix = K.parked .. model .. '@'
 local mine = nil
 if version ~= '' then mine = parked_prefix .. version end
 local job_prefix = PREFIX .. ':job:'
-local reply_prefix, request_prefix = K.reply .. model .. ':', K.request .. model .. ':'
+local request_prefix = K.request .. model .. ':'
 local F_STATUS, F_ENQUEUED, F_TIMEOUT, F_ORIGIN, F_PIN = F.status, F.enqueued_at, F.timeout, F.origin, F.ortq_version
 local NFIELDS = #FIELDS
 -- Never HGETALL (a forged hash may have millions of fields), and each field's size bounded first
@@ -114,10 +115,6 @@ local previous = nil
 
 local function start(id, k)
   if #id > 128 or string.find(id, '[^%w_%-]') or id == '' then return skip(id, 'id') end
-  -- Answered already: its reply stream is there (a key of another type is none of ortq's: the
-  -- answer replaces it). EXISTS first: its reply is a number, TYPE's a table.
-  local reply = reply_prefix .. id
-  if redis.call('EXISTS', reply) == 1 and kind(reply) == 'stream' then return skip(id, 'answered') end
   local job = job_prefix .. id
   -- The job's encoding stands for its TYPE on the common path (one call fewer a job): none for no
   -- key, and a compact one (listpack or ziplist: what an ortq job's hash is) reports its exact
@@ -221,28 +218,42 @@ end
 
 -- The first job was moved to the intermediate list by BLMOVE: off it again (from its tail, where
 -- BLMOVE put it). The others are popped here, in the same atomic call: no list in between.
-local popped = 0
+local ids = {}
 if first ~= '' then
   local intermediate = queue .. ':intermediate'
   if kind(intermediate) == 'list' then redis.call('LREM', intermediate, -1, first) end
-  start(first, 0)
-  popped = 1
+  ids[1] = first
 end
 local more, left = tonumber(A.more), 0
 -- Jobs parked for this worker's version waited longest: they go first.
 if mine and kind(mine) == 'list' then
   if more > 0 then
     local parked = redis.call('LPOP', mine, more) or {}
-    for i, id in ipairs(parked) do start(id, popped + i - 1) end
-    popped, more = popped + #parked, more - #parked
+    for _, id in ipairs(parked) do ids[#ids + 1] = id end
+    more = more - #parked
   end
   left = redis.call('LLEN', mine)
 end
 if kind(queue) == 'list' then
   if more > 0 then
-    for i, id in ipairs(redis.call('LPOP', queue, more) or {}) do start(id, popped + i - 1) end
+    for _, id in ipairs(redis.call('LPOP', queue, more) or {}) do ids[#ids + 1] = id end
   end
   left = left + redis.call('LLEN', queue)
+end
+-- Answered already: in the finished or failed registry (a registry of another type holds none).
+local answered = {}
+if #ids > 0 then
+  for _, registry in ipairs({PREFIX .. ':finished:' .. queue_name, PREFIX .. ':failed:' .. queue_name}) do
+    local scores = unless_acl(each_chunk(redis.pcall, {'ZMSCORE', registry}, ids), 'ZMSCORE')
+    if type(scores) == 'table' and not scores.err then
+      for i = 1, #ids do
+        if scores[i] then answered[i] = true end
+      end
+    end
+  end
+end
+for k, id in ipairs(ids) do
+  if answered[k] then skip(id, 'answered') else start(id, k - 1) end
 end
 if nw > 0 then each_chunk(redis.call, {'ZADD', wip}, wip_entries) end
 if count > 0 and kind(wkey) == 'hash' then

@@ -6,7 +6,8 @@
 # /usr/bin/redis-check-rdb) with liblzf.so.1 and libjemalloc.so.2 in .gpurun/r7. Then, after the
 # onnxruntime-gpu chunk calls (../shared/gpu/README.md), one call carrying [".whl", ".gpurun"]:
 #   ARGS="--workers 1 --workloads digits,image" ROUNDS="1 2" bash bench/gpu/ab_on_h200.sh
-# Each round writes $OUT/throughput-{before,after}-<round>.json and prints the table's rows. With
+# Each round writes $OUT/<bench>-{before,after}-<round>.json and prints the table's rows; BENCH names
+# the bench (throughput, the default, or producers: bench/gpu/producers.py). With
 # a .gpurun/mid.tar too (`git archive <rev> ortq`), a third tree is measured between them ("mid").
 set -uo pipefail
 here=$PWD
@@ -30,7 +31,7 @@ for round in ${ROUNDS:-1 2}; do
         dir=$here
         [ "$side" != after ] && dir=/tmp/$side
         echo "== $side, round $round"
-        (cd "$dir" && ORTQ_GPU_BENCH=throughput ORTQ_GPU_BENCH_TAG="-$side-$round" ORTQ_GPU_BENCH_ARGS="$args" \
+        (cd "$dir" && ORTQ_GPU_BENCH=${BENCH:-throughput} ORTQ_GPU_BENCH_TAG="-$side-$round" ORTQ_GPU_BENCH_ARGS="$args" \
             timeout "${ROUND_SECONDS:-140}" bash bench/gpu/run_on_h200.sh 2>&1 | grep -E "^(workload|digits|digits32|conv|image) ")
     done
 done

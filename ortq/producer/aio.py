@@ -392,6 +392,11 @@ async def _run_on(client: redis.asyncio.Redis | Callable[[], redis.asyncio.Redis
     return stepper.result
 
 
+#: What redis-py's pool.get_connection is given: before 5.3 it needs the command's name (5.3
+#: deprecated it: a warning when given).
+_GET_CONNECTION_ARGS: tuple[str, ...] = ("XREAD",) if tuple(map(int, redis.__version__.split(".")[:2])) < (5, 3) else ()
+
+
 async def _read(connection: redis.asyncio.Redis, request: Read) -> Any:
     """A blocking XREAD that its book may cut short (a stream added meanwhile): then None, as if its
     block ran out (a cancelled read's connection is dropped, and another opened).
@@ -409,7 +414,7 @@ async def _read(connection: redis.asyncio.Redis, request: Read) -> Any:
 
     async def xread() -> Any:
         pool = connection.connection_pool
-        reader = await pool.get_connection()  # type: ignore[no-untyped-call]
+        reader = await pool.get_connection(*_GET_CONNECTION_ARGS)  # type: ignore[no-untyped-call]
         try:
             if cut:
                 return None

@@ -91,7 +91,7 @@ def test_check_prints_the_plan_and_starts_nothing(
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith(model_name))
     assert re.search(rf"^{model_name}\s+cpu\s+.+\s+2\s+\d+ MiB \(measured\)$", row), done.stdout
-    assert re.search(r"^cpu \(.+\)\s+2\s+\d+ MiB\s+[\d.]+ GiB\s+\d+%\s+ok$", done.stdout, re.M), done.stdout
+    assert re.search(r"^cpu \(.+\)\s+2\s+\d+ MiB\s+none\s+[\d.]+ GiB\s+\d+%\s+ok$", done.stdout, re.M), done.stdout
     assert re.search(rf"{model_name}: \d+ MiB = process \d+ MiB \+ session \d+ MiB, measured", done.stdout)
     assert producer.workers(model_name) == []
 
@@ -414,7 +414,7 @@ def test_laptop_and_unknown_memory(tmp_path: Path, model_file: Path) -> None:
     # An integrated GPU's 128 MiB is its dedicated carve-out, not what it can use (shared system
     # memory, which the adapter table does not carry); the software adapter reports none at all.
     assert verdicts == {"discrete": "ok", "integrated": "unknown", "software": "unknown"}
-    assert re.search(r"^dml 0 \(Intel\(R\) Iris\(R\) Xe Graphics\)\s+1\s+\d+ MiB\s+shared\s+not checked$",
+    assert re.search(r"^dml 0 \(Intel\(R\) Iris\(R\) Xe Graphics\)\s+1\s+\d+ MiB\s+none\s+shared\s+not checked$",
                      format_plan(plan), re.M), format_plan(plan)  # fmt: skip
 
 

@@ -85,6 +85,8 @@ def pool(
     adapters, notes, plugins = enumerate_for(config)
     plan = make_plan(config, adapters, notes, plugins=plugins)
     click.echo(format_plan(plan, shard_map), err=not check)
+    if over_budget := plan.budget_refusals():
+        raise ConfigurationError(f"{config.source}: the memory budget cannot be kept: {'; '.join(over_budget)}")
     refusals = plan.refusals()
     if refusals and not force:
         why = "; ".join(refusals)
@@ -117,6 +119,7 @@ def _pool_redis_url(given: ParameterSource | None, redis_url: str | None, config
 
 
 def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:
+    from ortq.pool.follow import QueueReader
     from ortq.pool.plan import build_slots
     from ortq.pool.supervisor import Supervisor
 
@@ -128,8 +131,11 @@ def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:
             log.warning("Redis does not answer (%s); starting the workers anyway, they retry with backoff", exc)
     verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
     config = plan.config
+    # An elastic pool reads its models' queues with the workers' own credentials, on each one's Redis.
+    queues = QueueReader(lambda url: settings.for_redis(url).connect(check=False), shards.url_for)
     supervisor = Supervisor(build_slots(plan, shards, verbose), config.restart, config.grace_seconds,
-                            config.log_dir, send_shutdown=_shutdown_through_redis(settings))  # fmt: skip
+                            config.log_dir, send_shutdown=_shutdown_through_redis(settings),
+                            queues=queues if config.elastic else None)  # fmt: skip
 
     def stop(signum: int, frame: FrameType | None) -> None:
         supervisor.request_stop(f"got {signal.Signals(signum).name}")

@@ -54,10 +54,18 @@ class RestartPolicy:
     max_configuration_errors: int = 3
 
 
+#: An elastic group's workers stop after this long without a job, by default (idle_seconds).
+IDLE_SECONDS = 300.0
+#: A worker serves at least this long before it is stopped for another model, by default.
+MIN_RESIDENCY_SECONDS = 30.0
+
+
 @dataclass(frozen=True)
 class WorkerGroup:
-    """``count`` workers of one model on one adapter."""
+    """``count`` workers of one model on one adapter; an elastic group (``max_workers``) runs
+    between ``min_workers`` and ``count`` of them as its queue asks (ortq.pool.follow)."""
 
+    #: The group's workers: all of them always (``count``), or at most (``max_workers``).
     count: int
     #: An ``--adapter`` spec (index, uuid:, luid:, name:, discrete, ...); None: the CPU (or, for
     #: cuda/dml, adapter 0, as ``ortq worker`` does).
@@ -65,6 +73,19 @@ class WorkerGroup:
     env: Env = ()
     #: ``ortq worker --provider-option`` pairs for this group's workers, on top of the model's.
     provider_options: Env = ()
+    #: An elastic group's fewest workers (0: none while its queue is empty); None: a fixed count.
+    min_workers: int | None = None
+    #: An elastic group's worker stops after this many seconds without a job for its model.
+    idle_seconds: float = IDLE_SECONDS
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
+
+    @property
+    def least(self) -> int:
+        """The workers the group always runs."""
+        return self.count if self.min_workers is None else self.min_workers
 
 
 class _WorkerOption(Generic[T]):
@@ -129,12 +150,23 @@ class PoolConfig:
     log_dir: Path | None = None
     #: Measure each model's session footprint (a CPU session in a subprocess) when planning.
     measure_memory: bool = True
+    #: Each adapter's memory budget for the pool's workers: bytes, or a share of the adapter's
+    #: memory (the CPU's: the host's); None for both: none (elastic groups bounded by max_workers).
+    memory_budget_bytes: int | None = None
+    memory_budget_fraction: float | None = None
+    #: An elastic worker serves at least this long before it is stopped for another model.
+    min_residency_seconds: float = MIN_RESIDENCY_SECONDS
     restart: RestartPolicy = RestartPolicy()
     env: Env = ()
 
     @property
     def worker_count(self) -> int:
         return sum(m.worker_count for m in self.models)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether any group follows its queue (max_workers)."""
+        return any(g.elastic for m in self.models for g in m.groups)
 
     def shard_map(self, settings: Settings) -> ShardMap:
         """Each model's Redis: its ``redis_url`` key, else the entry of ``settings``' shard map
@@ -178,8 +210,17 @@ def _parse(top: Table, base_dir: Path) -> PoolConfig:
         "grace_seconds": pool.number("grace_seconds", 30.0, 0, above=True),
         "log_dir": None if log_dir is None else base_dir / log_dir,
         "measure_memory": pool.boolean("measure_memory", True),
+        "min_residency_seconds": pool.number("min_residency_seconds", MIN_RESIDENCY_SECONDS, 0),
         "env": pool.env("pool.env", RESERVED_ENV),
     }
+    budget_mib = pool.integer("memory_budget_mib", None, 1)
+    fields["memory_budget_bytes"] = None if budget_mib is None else budget_mib * 1024**2
+    fields["memory_budget_fraction"] = pool.number("memory_budget_fraction", None, 0, above=True)
+    if budget_mib is not None and fields["memory_budget_fraction"] is not None:
+        raise pool.error("memory_budget_mib and memory_budget_fraction both given: one budget an adapter")
+    if (fields["memory_budget_fraction"] or 0) > 1:
+        fraction = fields["memory_budget_fraction"]
+        raise pool.error(f"memory_budget_fraction must be at most 1 (all of an adapter), got {fraction:g}")
     pool.finish()
     fields["restart"] = _restart(restart_table)
 
@@ -266,15 +307,28 @@ def _model(table: Table, base_dir: Path) -> ModelConfig:
 def _group(table: Table, model_options: dict[str, Any], base_dir: Path) -> WorkerGroup:
     """A ``[[model.workers]]`` table; its options checked with its model's."""
     given = worker_options.read_toml(table, base_dir, Level.GROUP)
-    group = WorkerGroup(
-        count=table.integer("count", 0, 1),
-        adapter=given.get("adapter"),
-        env=table.env("model.workers.env", RESERVED_ENV),
-        provider_options=given.get("provider_options", ()),
-    )
+    count = table.integer("count", None, 1)
+    most = table.integer("max_workers", None, 1)
+    least = table.integer("min_workers", None, 0)
+    idle = table.number("idle_seconds", None, 0, above=True)
+    env = table.env("model.workers.env", RESERVED_ENV)
     table.finish()
-    if group.count == 0:
-        raise table.error("count is missing (how many workers)")
+    if count is not None and (most, least, idle) != (None, None, None):
+        raise table.error("count is a fixed number of workers: give it or max_workers (with min_workers, idle_seconds)")
+    if count is None and most is None and (least, idle) != (None, None):
+        raise table.error("min_workers and idle_seconds need max_workers (the most workers the group runs)")
+    if count is None and most is None:
+        raise table.error("count is missing (how many workers; or max_workers, to follow the queue)")
+    if most is not None and least is not None and least > most:
+        raise table.error(f"min_workers ({least}) is more than max_workers ({most})")
+    group = WorkerGroup(
+        count=count or most or 0,
+        adapter=given.get("adapter"),
+        env=env,
+        provider_options=given.get("provider_options", ()),
+        min_workers=None if most is None else least or 0,
+        idle_seconds=IDLE_SECONDS if idle is None else idle,
+    )
     _check(table, group_options(model_options, group))
     return group
 

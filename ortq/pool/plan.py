@@ -23,6 +23,7 @@ from ortq.devices.adapters import Adapter
 from ortq.errors import AdapterNotFound, ConfigurationError
 from ortq.pool.config import RESERVED_ENV, ModelConfig, PoolConfig, WorkerGroup, group_options
 from ortq.pool.devices import PluginDevices, candidates, choose
+from ortq.pool.follow import Elastic
 from ortq.pool.measure import SessionFootprint, measure_session
 from ortq.pool.tomltable import Env
 from ortq.redisurls import redacted_url
@@ -79,11 +80,21 @@ class Placement:
 
 @dataclass(frozen=True)
 class AdapterLoad:
-    """All the pool's workers on one adapter against that adapter's memory."""
+    """All the pool's workers on one adapter against that adapter's memory (and budget)."""
 
     adapter: Adapter
+    #: The most workers (every elastic group at max_workers) and their memory.
     workers: int
     total_bytes: int
+    #: What the workers always running need (fixed counts, min_workers).
+    least_bytes: int = 0
+    #: The pool's budget on this adapter ([pool] memory_budget_*); None: none.
+    budget_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most the workers may hold at once: all of them, or the budget where it is less."""
+        return self.total_bytes if self.budget_bytes is None else min(self.total_bytes, self.budget_bytes)
 
     @property
     def fraction(self) -> float | None:
@@ -92,7 +103,7 @@ class AdapterLoad:
         memory = self.adapter.memory_bytes
         if not memory or self.adapter.kind in ("integrated", "software"):
             return None
-        return self.total_bytes / memory
+        return self.peak_bytes / memory
 
     @property
     def verdict(self) -> str:
@@ -118,6 +129,8 @@ class WorkerSlot:
     burst: bool = False
     #: The worker's Redis (its ORTQ_REDIS_URL), where a stop command for it goes; None: the pool's.
     redis_url: str | None = None
+    #: A slot of an elastic group (max_workers): run only while ortq.pool.follow wants it.
+    elastic: Elastic | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,28 @@ class Plan:
 
     def refusals(self) -> list[str]:
         return [_load_message(load) for load in self.loads if load.verdict == "over"]
+
+    def budget_refusals(self) -> list[str]:
+        """Budgets the plan cannot keep: the workers always running need more, or one worker of an
+        elastic group needs more than all of it (it could never start). --force does not start these."""
+        found = []
+        for load in self.loads:
+            budget = load.budget_bytes
+            if budget is None:
+                continue
+            name = _adapter_name(load.adapter)
+            if load.least_bytes > budget:
+                found.append(
+                    f"{name}: the workers always running (count, min_workers) need about {_size(load.least_bytes)}, "
+                    f"more than its budget of {_size(budget)}"
+                )
+            for p in self.placements:
+                if p.adapter == load.adapter and p.group.elastic and p.estimate.bytes > budget:
+                    found.append(
+                        f"{name}: one {p.model.name} worker needs about {_size(p.estimate.bytes)}, more than "
+                        f"its budget of {_size(budget)}: it could never start"
+                    )
+        return found
 
 
 def _load_message(load: AdapterLoad) -> str:
@@ -270,13 +305,32 @@ def make_plan(
         cost = estimate(model, cache[key])
         for group, (adapter, arg) in zip(model.groups, resolved, strict=True):
             placements.append(Placement(model, group, adapter, arg, cost))
-    totals: dict[Adapter, tuple[int, int]] = {}
+    totals: dict[Adapter, tuple[int, int, int]] = {}
     for p in placements:
         if p.adapter is not None:
-            workers, total = totals.get(p.adapter, (0, 0))
-            totals[p.adapter] = (workers + p.group.count, total + p.group.count * p.estimate.bytes)
-    loads = tuple(AdapterLoad(a, workers, total) for a, (workers, total) in totals.items())
+            workers, total, least = totals.get(p.adapter, (0, 0, 0))
+            count, bytes_ = p.group.count, p.estimate.bytes
+            totals[p.adapter] = (workers + count, total + count * bytes_, least + p.group.least * bytes_)
+    loads = tuple(
+        AdapterLoad(a, workers, total, least, budget_of(config, a)) for a, (workers, total, least) in totals.items()
+    )
     return Plan(config, tuple(placements), loads, tuple(found_notes))
+
+
+def budget_of(config: PoolConfig, adapter: Adapter) -> int | None:
+    """``adapter``'s budget by ``[pool]`` memory_budget_mib or memory_budget_fraction (of its
+    memory: the CPU's is the host's); None without either. A fraction of an adapter whose memory is
+    not known is refused: the budget would be a guess."""
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    if config.memory_budget_fraction is None:
+        return None
+    if not adapter.memory_bytes:
+        raise ConfigurationError(
+            f"{config.source}: [pool] memory_budget_fraction: the memory of {_adapter_name(adapter)} is not known; "
+            "give memory_budget_mib instead"
+        )
+    return int(config.memory_budget_fraction * adapter.memory_bytes)
 
 
 def worker_environment(base: Mapping[str, str]) -> dict[str, str]:
@@ -292,12 +346,13 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
     config = plan.config
     slots: list[WorkerSlot] = []
     per_model: dict[str, int] = {}
-    for p in plan.placements:
+    for group, p in enumerate(plan.placements):
         m = p.model
         # The Redis URL (which may carry a password) goes in the environment, not on the command line.
         redis_url = shards.url_for(m.name)
         env = {**dict(config.env), **dict(m.env), **dict(p.group.env), "ORTQ_REDIS_URL": redis_url}
         env["PYTHONUNBUFFERED"] = "1"  # the pool relays its workers' output line by line
+        elastic = _elastic(plan, group, p)
         for _ in range(p.group.count):
             number = len(slots)
             port = config.metrics_port_base + number if config.metrics_port_base else 0
@@ -305,8 +360,26 @@ def build_slots(plan: Plan, shards: ShardMap, verbose: bool = False) -> list[Wor
             per_model[m.name] = n + 1
             options = worker_arguments(p, port, config.metrics_host)
             argv = (sys.executable, "-m", "ortq", *(["-v"] if verbose else []), "worker", *options)
-            slots.append(WorkerSlot(number, f"{m.name}.{n}", argv, tuple(env.items()), m.burst, redis_url))
+            slots.append(WorkerSlot(number, f"{m.name}.{n}", argv, tuple(env.items()), m.burst, redis_url, elastic))
     return slots
+
+
+def _elastic(plan: Plan, group: int, placement: Placement) -> Elastic | None:
+    """What the follower needs of an elastic group's slots; None for a fixed count."""
+    if placement.group.min_workers is None:
+        return None
+    adapter = placement.adapter
+    return Elastic(
+        model=placement.model.name,
+        group=group,
+        adapter="auto" if adapter is None else _adapter_name(adapter),
+        budget_bytes=None if adapter is None else budget_of(plan.config, adapter),
+        worker_bytes=placement.estimate.bytes,
+        min_workers=placement.group.min_workers,
+        max_workers=placement.group.count,
+        idle_seconds=placement.group.idle_seconds,
+        min_residency_seconds=plan.config.min_residency_seconds,
+    )
 
 
 def worker_arguments(placement: Placement, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> list[str]:
@@ -342,7 +415,8 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
 def format_plan(plan: Plan, shards: ShardMap | None = None) -> str:
     """The plan as ``ortq pool --check`` prints it: workers, adapter totals, how memory was obtained,
     and, when ``shards`` puts the pool's models on several Redis instances, which is on which."""
-    lines = [f"pool plan for {plan.config.source}: {plan.config.worker_count} workers", ""]
+    most = "at most " if plan.config.elastic else ""
+    lines = [f"pool plan for {plan.config.source}: {most}{plan.config.worker_count} workers", ""]
     rows = [("model", "provider", "adapter", "index", "--adapter", "workers", "memory/worker")]
     for p in plan.placements:
         adapter = "chosen by ONNX Runtime" if p.adapter is None else p.adapter.name
@@ -351,7 +425,10 @@ def format_plan(plan: Plan, shards: ShardMap | None = None) -> str:
         if p.group.adapter and p.group.adapter != p.adapter_arg:
             spec = f"{p.group.adapter} -> {spec}"
         memory = f"{_size(p.estimate.bytes)} ({p.estimate.kind})"
-        rows.append((p.model.name, p.model.provider, adapter, index, spec, str(p.group.count), memory))
+        workers = str(p.group.count)
+        if p.group.elastic:
+            workers = f"{p.group.least}..{p.group.count}, idle {p.group.idle_seconds:g} s"
+        rows.append((p.model.name, p.model.provider, adapter, index, spec, workers, memory))
     lines += _columns(rows)
     lines += ["", *_columns(_load_rows(plan))]
     lines += ["", "memory per worker:"]
@@ -364,6 +441,7 @@ def format_plan(plan: Plan, shards: ShardMap | None = None) -> str:
     lines += [f"note: {note}" for note in plan.notes]
     lines += [f"WARNING: {w} (above {WARN_FRACTION:.0%})" for w in plan.warnings()]
     lines += [f"REFUSED: {r}: more than it has (--force starts it anyway)" for r in plan.refusals()]
+    lines += [f"REFUSED: {r}" for r in plan.budget_refusals()]
     return "\n".join(lines)
 
 
@@ -379,7 +457,7 @@ def _redis_lines(plan: Plan, shards: ShardMap | None) -> list[str]:
 
 
 def _load_rows(plan: Plan) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("adapter", "workers", "total memory", "adapter memory", "use", "")]
+    rows: list[tuple[str, ...]] = [("adapter", "workers", "total memory", "budget", "adapter memory", "use", "")]
     for load in plan.loads:
         memory = load.adapter.memory_bytes
         use = "" if load.fraction is None else f"{100 * load.fraction:.0f}%"
@@ -390,6 +468,7 @@ def _load_rows(plan: Plan) -> list[tuple[str, ...]]:
                 _adapter_name(load.adapter),
                 str(load.workers),
                 _size(load.total_bytes),
+                "none" if load.budget_bytes is None else _size(load.budget_bytes),
                 "shared" if shared else _size(memory) if memory else "unknown",
                 use,
                 verdict[load.verdict],
@@ -397,5 +476,5 @@ def _load_rows(plan: Plan) -> list[tuple[str, ...]]:
         )
     auto = sum(p.group.count for p in plan.placements if p.adapter is None)
     if auto:
-        rows.append(("auto (ONNX Runtime chooses)", str(auto), "", "unknown", "", "not checked"))
+        rows.append(("auto (ONNX Runtime chooses)", str(auto), "", "none", "unknown", "", "not checked"))
     return rows

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from ortq.pool.config import RestartPolicy
+from ortq.pool.follow import FOLLOW_SECONDS, Follower, QueueReader, SlotState, SlotView
 from ortq.pool.plan import WorkerSlot, worker_environment
 from ortq.pool.restart import Action, Decision, ExitHistory, decide, describe_exit
 
@@ -82,6 +83,11 @@ class _Worker:
     #: Monotonic time of the next start; None: never again (finished, given up, or stopping).
     next_start: float | None = 0.0
     relay: threading.Thread | None = None
+    #: An elastic slot runs only while the follower wants it (a fixed one always).
+    wanted: bool = True
+    #: Why the follower stopped it: its exit is then no crash, and it is not restarted.
+    stopped_for: str | None = None
+    given_up: bool = False
 
 
 class Supervisor:
@@ -95,6 +101,7 @@ class Supervisor:
         log_dir: Path | None = None,
         output: TextIO | None = None,
         send_shutdown: Callable[[str, str | None], None] | None = None,
+        queues: QueueReader | None = None,
     ) -> None:
         #: Asks the worker of that name to stop through its Redis (RQ's shutdown command; the URL is
         #: its slot's, None for the pool's); used on Windows, where a pool running as a service has
@@ -106,6 +113,17 @@ class Supervisor:
         self.output = output
         self.exits: list[ExitRecord] = []
         self._workers = [_Worker(slot) for slot in slots]
+        #: Elastic slots start when the follower wants them (its first look starts each group's
+        #: min_workers); it reads the queues through ``queues``.
+        for worker in self._workers:
+            if worker.slot.elastic is not None:
+                worker.wanted, worker.next_start = False, None
+        self._elastic = [w for w in self._workers if w.slot.elastic is not None]
+        if self._elastic and queues is None:
+            raise ValueError("elastic slots need a QueueReader")
+        self._queues = queues
+        self._follower = Follower()
+        self._followed_at = -FOLLOW_SECONDS
         self._host = socket.gethostname()
         # Plain flags, not an Event: request_stop runs in a signal handler, which must not take a
         # lock the interrupted main thread may hold.
@@ -157,9 +175,14 @@ class Supervisor:
             for worker in self._workers:
                 if worker.process is not None and (code := worker.process.poll()) is not None:
                     self._exited(worker, code, now)
+            if self._elastic and now - self._followed_at >= FOLLOW_SECONDS:
+                self._followed_at = now
+                self._follow(now)
+            for worker in self._workers:
                 if worker.process is None and worker.next_start is not None and now >= worker.next_start:
                     self._start(worker)
-            if all(w.process is None and w.next_start is None for w in self._workers):
+            # A pool that follows its queues waits for jobs even with no worker running.
+            if not self._elastic and all(w.process is None and w.next_start is None for w in self._workers):
                 return
             time.sleep(POLL_SECONDS)
         log.info("%s: stopping %d workers", self._why, sum(w.process is not None for w in self._workers))
@@ -219,7 +242,44 @@ class Supervisor:
         pid = worker.process.pid
         self._finish_relay(worker)
         uptime = now - worker.started_at
+        if worker.stopped_for is not None:  # the follower asked: not restarted, not a crash
+            why, worker.stopped_for = worker.stopped_for, None
+            reason = f"stopped ({why})"
+            self._decided(worker, pid, uptime, Decision(Action.FINISHED, 0.0, reason, worker.history), code)
+            return
         self._decided(worker, pid, uptime, decide(self.policy, worker.history, code, uptime, worker.slot.burst), code)
+
+    def _follow(self, now: float) -> None:
+        """Start and stop elastic slots as the follower decides from the queues (ortq.pool.follow)."""
+        assert self._queues is not None
+        running: dict[str, list[str]] = {}
+        views = []
+        for worker in self._elastic:
+            spec = worker.slot.elastic
+            assert spec is not None
+            names = running.setdefault(spec.model, [])
+            if worker.process is not None and worker.wanted:
+                state = SlotState.RUNNING
+                names.append(worker.name)
+            elif worker.process is not None:
+                state = SlotState.STOPPING
+            elif worker.wanted and worker.next_start is not None:  # a restart due (backoff)
+                state = SlotState.RUNNING
+            else:
+                state = SlotState.OFF
+            views.append(SlotView(worker.slot.number, spec, state, worker.started_at, worker.name, worker.given_up))
+        by_number = {w.slot.number: w for w in self._elastic}
+        for action in self._follower.decide(now, views, self._queues.read(running)):
+            worker = by_number[action.number]
+            if action.start:
+                worker.wanted, worker.next_start = True, now
+                log.info("starting a worker %s: %s", worker.slot.label, action.why)
+                continue
+            worker.wanted, worker.next_start = False, None
+            if worker.process is not None:
+                worker.stopped_for = action.why
+                log.info("stopping worker %s (pid %d): %s", worker.slot.label, worker.process.pid, action.why)
+                self._send_stop(worker)
 
     def _decided(self, worker: _Worker, pid: int, uptime: float, decision: Decision, code: int = 1) -> None:
         worker.process = None
@@ -230,7 +290,7 @@ class Supervisor:
             worker.next_start = None
             log.info("%s; not restarted", what)
         elif decision.action is Action.GIVE_UP:
-            worker.next_start = None
+            worker.next_start, worker.given_up = None, True
             log.error("%s. GIVING UP on this worker; the others keep running", what)
         else:
             worker.next_start = time.monotonic() + decision.delay

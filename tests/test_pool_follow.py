@@ -1,0 +1,272 @@
+"""Many models on one adapter: elastic groups (max_workers) that follow their queues within a memory
+budget (ortq/pool/follow.py). The follower's rule on recorded states, the config and --check, and a
+real CPU pool of four models under a budget of two workers (real redis-server, real workers, real
+jobs compared with session.run)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortq import keys
+from ortq.demo import HOLDOUT_PATH, MODEL_PATH
+from ortq.errors import ConfigurationError
+from ortq.pool.config import PoolConfig
+from ortq.pool.follow import Elastic, Follower, QueueState, SlotState, SlotView
+from ortq.producer import Producer
+from ortq.settings import Settings
+from tests.cli_support import invoke
+from tests.conftest import Pool
+
+MiB = 1024**2
+
+
+# ------------------------------------------------------------------------------------ the rule
+
+
+def spec(model: str, group: int, most: int = 1, least: int = 0, idle: float = 60.0, budget: int = 2) -> Elastic:
+    """A group on one CPU whose budget holds ``budget`` workers of 100 MiB, residency 10 s."""
+    return Elastic(model, group, "cpu", budget * 100 * MiB, 100 * MiB, least, most, idle, 10.0)
+
+
+class Slots:
+    """Slots as the supervisor would show them, changed as the follower's actions say (a stop
+    takes effect when :meth:`exit` is called, as a worker's exit would)."""
+
+    def __init__(self, *groups: Elastic) -> None:
+        self.views: list[SlotView] = []
+        for group in groups:
+            for _ in range(group.max_workers):
+                self.views.append(SlotView(len(self.views), group, SlotState.OFF))
+
+    def apply(self, now: float, follower: Follower, queues: dict[str, QueueState]) -> list[str]:
+        done = []
+        for action in follower.decide(now, self.views, queues):
+            view = self.views[action.number]
+            if action.start:
+                name = f"{view.spec.model}.{action.number}"
+                self.views[action.number] = SlotView(view.number, view.spec, SlotState.RUNNING, now, name)
+                done.append(f"start {view.spec.model}")
+            else:
+                self.views[action.number] = SlotView(view.number, view.spec, SlotState.STOPPING, view.started_at,
+                                                     view.worker_name)  # fmt: skip
+                done.append(f"stop {view.spec.model}: {action.why}")
+        return done
+
+    def exit(self) -> None:
+        """Every stopping worker exits."""
+        self.views = [SlotView(v.number, v.spec, SlotState.OFF) if v.state is SlotState.STOPPING else v
+                      for v in self.views]  # fmt: skip
+
+    def running(self) -> list[str]:
+        return sorted(v.spec.model for v in self.views if v.state is SlotState.RUNNING)
+
+
+def queued(**depths: int) -> dict[str, QueueState]:
+    return {model: QueueState(n) for model, n in depths.items()}
+
+
+def test_models_take_turns_within_the_budget_and_an_idle_one_makes_room() -> None:
+    follower, slots = Follower(), Slots(spec("a", 0), spec("b", 1), spec("c", 2), spec("d", 3))
+    assert slots.apply(0, follower, queued(a=0, b=0, c=0, d=0)) == []  # min_workers 0: nothing runs
+    assert slots.apply(1, follower, queued(a=5, b=5, c=0, d=0)) == ["start a", "start b"]
+    # c waits; a and b are busy and have run only 1 s: nobody is taken for it yet
+    assert slots.apply(2, follower, queued(a=3, b=3, c=4, d=0)) == []
+    # a's queue is empty and its worker idle; past the 10 s residency it makes room for c
+    assert slots.apply(12, follower, queued(a=0, b=3, c=4, d=0)) == [
+        "stop a: making room for c (waiting jobs): a idle longest"
+    ]
+    # a's worker has not exited: its memory is still held, and no second worker is stopped for c
+    assert slots.apply(13, follower, queued(a=0, b=3, c=4, d=0)) == []
+    slots.exit()
+    assert slots.apply(14, follower, queued(a=0, b=3, c=4, d=0)) == ["start c"]
+    assert slots.running() == ["b", "c"]
+
+
+def test_a_model_with_no_worker_is_served_even_when_every_other_is_busy() -> None:
+    follower = Follower()
+    slots = Slots(spec("a", 0, most=2, budget=3), spec("b", 1, budget=3), spec("c", 2, budget=3))
+    assert slots.apply(0, follower, queued(a=9, b=9, c=0)) == ["start a", "start b"]
+    assert slots.apply(1, follower, queued(a=9, b=9, c=0)) == ["start a"]  # a grows while the budget allows
+    assert slots.running() == ["a", "a", "b"]
+    # c waits and everyone is busy: inside the residency nothing is stopped ...
+    assert slots.apply(5, follower, queued(a=9, b=9, c=1)) == []
+    # ... past it, the model with the most workers gives one up (a model with a worker waits its turn)
+    assert slots.apply(11, follower, queued(a=9, b=9, c=1)) == [
+        "stop a: making room for c (waiting jobs): a ran 11 s, past min_residency_seconds"
+    ]
+    slots.exit()
+    # c, with no worker, goes before a (waiting longer, but with a worker) to the memory made free
+    assert slots.apply(12, follower, queued(a=9, b=9, c=1)) == ["start c"]
+    # a still waits, but has a worker: it takes no busy worker from anyone
+    assert slots.apply(30, follower, queued(a=9, b=9, c=1)) == []
+    assert slots.running() == ["a", "b", "c"]
+
+
+def test_idle_workers_stop_but_never_below_min_workers() -> None:
+    follower, slots = Follower(), Slots(spec("a", 0, most=2, least=1, idle=30, budget=3))
+    assert slots.apply(0, follower, queued(a=0)) == ["start a"]  # min_workers
+    assert slots.apply(1, follower, queued(a=4)) == ["start a"]
+    assert slots.apply(20, follower, queued(a=0)) == []  # idle 19 s of 30
+    assert slots.apply(52, follower, queued(a=0)) == ["stop a: a had no job for 51 s (idle_seconds)"]
+    slots.exit()
+    assert slots.apply(200, follower, queued(a=0)) == []
+    assert slots.running() == ["a"]
+
+
+def test_a_busy_worker_counts_as_activity_and_an_unread_queue_changes_nothing() -> None:
+    follower, slots = Follower(), Slots(spec("a", 0, idle=30), spec("b", 1, budget=2))
+    slots.apply(0, follower, queued(a=2))
+    busy = {"a": QueueState(0, frozenset({"a.0"}))}
+    assert slots.apply(40, follower, busy) == []  # its queue is empty but its worker runs a job
+    assert slots.apply(69, follower, queued(a=0)) == []
+    assert slots.apply(71, follower, {"a": QueueState(None)}) == []  # Redis unreadable: decide nothing
+    assert slots.apply(72, follower, queued(a=0)) == ["stop a: a had no job for 32 s (idle_seconds)"]
+
+
+# ------------------------------------------------------------------------------------ config and --check
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "digits.onnx"
+    path.write_bytes(MODEL_PATH.read_bytes())
+    return path
+
+
+def pool_file(tmp_path: Path, pool: str, groups: list[str]) -> Path:
+    text = "[pool]\nmeasure_memory = false\n" + pool
+    for n, group in enumerate(groups):
+        text += f'[[model]]\nname = "m{n}"\npath = "digits.onnx"\nmemory_per_worker_mib = 100\n'
+        text += f"[[model.workers]]\n{group}"
+    path = tmp_path / "pool.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("pool", "group", "message"),
+    [
+        ("", "count = 1\nmax_workers = 2\n", "count is a fixed number of workers: give it or max_workers"),
+        ("", "max_workers = 1\nmin_workers = 2\n", "min_workers (2) is more than max_workers (1)"),
+        ("", "min_workers = 1\n", "min_workers and idle_seconds need max_workers"),
+        ("", "max_workers = 1\nidle_seconds = 0\n", "idle_seconds must be a number > 0"),
+        ("", "max_workers = 0\n", "max_workers must be an integer >= 1"),
+        ("memory_budget_mib = 100\nmemory_budget_fraction = 0.5\n", "max_workers = 1\n", "both given"),
+        ("memory_budget_fraction = 1.5\n", "max_workers = 1\n", "memory_budget_fraction must be at most 1"),
+        ("", "max_worker = 1\n", "unknown key 'max_worker'; did you mean 'max_workers'?"),
+    ],
+)
+def test_bad_elastic_groups_are_refused(tmp_path: Path, model_file: Path, pool: str, group: str, message: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        PoolConfig.from_file(pool_file(tmp_path, pool, [group]))
+    assert message in str(caught.value), caught.value
+
+
+def test_check_prints_the_plan_and_refuses_a_budget_too_small(tmp_path: Path, model_file: Path) -> None:
+    groups = ["max_workers = 2\nidle_seconds = 10\n", "max_workers = 1\nmin_workers = 1\n"]
+    done = invoke("pool", "--config", str(pool_file(tmp_path, "memory_budget_mib = 200\n", groups)), "--check")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^m0 .* 0\.\.2, idle 10 s\s+100 MiB \(configured\)$", done.stdout, re.M), done.stdout
+    assert re.search(r"^m1 .* 1\.\.1, idle 300 s\s+100 MiB \(configured\)$", done.stdout, re.M), done.stdout
+    assert re.search(r"^cpu \(.+\)\s+3\s+300 MiB\s+200 MiB\s", done.stdout, re.M), done.stdout
+    assert "at most 3 workers" in done.stdout
+    # 150 MiB holds m1's one worker always running, and one of m0's at a time: accepted
+    done = invoke("pool", "--config", str(pool_file(tmp_path, "memory_budget_mib = 150\n", groups)), "--check")
+    assert done.returncode == 0, done.stderr
+    # 90 MiB holds no worker at all: refused, --force or not
+    for force in ([], ["--force"]):
+        path = pool_file(tmp_path, "memory_budget_mib = 90\n", groups)
+        done = invoke("pool", "--config", str(path), "--check", *force)
+        assert done.returncode == 2, done.stdout
+        assert "the workers always running (count, min_workers) need about 100 MiB, more than its budget of 90 MiB" in (
+            done.stderr
+        )
+        assert "one m0 worker needs about 100 MiB, more than its budget of 90 MiB: it could never start" in done.stderr
+
+
+def test_a_fraction_of_the_hosts_memory_is_the_cpus_budget(tmp_path: Path, model_file: Path) -> None:
+    path = pool_file(tmp_path, "memory_budget_fraction = 0.5\n", ["max_workers = 1\n"])
+    done = invoke("pool", "--config", str(path), "--check")
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("cpu ("))
+    total, budget = re.findall(r"([\d.]+) GiB", row)[::-1][0], re.findall(r"([\d.]+) GiB", row)[0]
+    assert abs(float(budget) - float(total) / 2) < 0.11, row
+
+
+# ------------------------------------------------------------------------------------ a real pool
+
+
+def live_counts(text: str) -> tuple[int, dict[str, int]]:
+    """From a pool's log: the most workers alive at once (started, not yet exited) and each model's starts."""
+    alive, most, starts = 0, 0, {}
+    for line in text.splitlines():
+        if m := re.search(r"ortq\.pool INFO worker (m\d)\.\d started: pid", line):
+            alive += 1
+            starts[m.group(1)] = starts.get(m.group(1), 0) + 1
+            most = max(most, alive)
+        elif re.search(r"ortq\.pool \w+ worker m\d\.\d \(pid \d+\) .* after [\d.]+ s: ", line):
+            alive -= 1
+    return most, starts
+
+
+def test_four_models_under_a_budget_of_two_workers_are_all_served(
+    tmp_path: Path, model_file: Path, redis_url: str, model_name: str, pools: list[Pool]
+) -> None:
+    # The models have never been served: their jobs are enqueued for workers that start later.
+    producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
+    names = [f"{model_name}m{n}" for n in range(4)]
+    text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 200\nmin_residency_seconds = 1\ngrace_seconds = 60\n"
+    for name in names:
+        text += textwrap.dedent(f"""
+            [[model]]
+            name = "{name}"
+            path = "digits.onnx"
+            threads = 1
+            memory_per_worker_mib = 100
+            [[model.workers]]
+            max_workers = 1
+            idle_seconds = 600
+        """)
+    path = tmp_path / "pool.toml"
+    path.write_text(text)
+    pool = Pool(path, redis_url)
+    pools.append(pool)
+
+    session = ort.InferenceSession(str(MODEL_PATH), providers=["CPUExecutionProvider"])
+    pixels = np.load(HOLDOUT_PATH)["pixels"][:40]
+
+    def serve(name: str, rows: np.ndarray) -> None:
+        # The wait is the producer's own for a worker to start and answer; 300 s bounds only a hang.
+        jobs = producer.submit_many(name, [{"pixels": row[None]} for row in rows])
+        for got, row in zip(producer.results(jobs, timeout=300), rows, strict=True):
+            probabilities, label = session.run(["probabilities", "label"], {"pixels": row[None]})
+            np.testing.assert_allclose(got["probabilities"], probabilities, rtol=1e-6)
+            np.testing.assert_array_equal(got["label"], label)
+
+    # In turn: each model's jobs arrive while the two workers serve others (or nobody yet).
+    for n, name in enumerate(names):
+        serve(name, pixels[4 * n : 4 * n + 4])
+    # At once: every model has jobs waiting together.
+    with ThreadPoolExecutor(len(names)) as rush:  # a failed check in any thread is raised here
+        list(rush.map(serve, names, [pixels[20 + 5 * n : 25 + 5 * n] for n in range(len(names))]))
+
+    pool.process.send_signal(signal.SIGTERM)
+    assert pool.wait() == 0, pool.text()
+    log = pool.text().replace(model_name, "")
+    assert "making room for m" in log, log  # evictions happened
+    most, starts = live_counts(log)
+    assert most <= 2, f"more than the budget's two workers alive at once:\n{log}"
+    assert set(starts) == {"m0", "m1", "m2", "m3"}, starts
+    # No start-stop loop: each model was started for its turn and for the rush, a few times at most.
+    assert max(starts.values()) <= 4, starts
+    for name in names:  # nothing left behind
+        assert producer.connection.llen(keys.queue_key(name)) == 0
+    producer.close()

@@ -35,6 +35,7 @@ from ortq import keys
 from ortq.cliopts import redis_url_option, shards_option
 from ortq.errors import ConfigurationError
 from ortq.info import GONE, MOST_PARKED_VERSIONS, collect_shards, shard_clients
+from ortq.pool import status
 from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
@@ -60,6 +61,7 @@ REDIS_UP = "ortq_exporter_redis_up"
 #: the table and deploy/grafana/ortq-dashboard.json queries them.
 METRIC_NAMES: tuple[str, ...] = (
     QUEUE_LENGTH, OLDEST_AGE, RUNNING, PARKED, FAILED, WORKERS_ALIVE, NEWEST_HEARTBEAT_AGE, REDIS_UP,
+    *status.POOL_METRIC_NAMES,
 )  # fmt: skip
 
 #: Labels of the per-model series: the model, and its Redis (URL without password and query).
@@ -99,16 +101,18 @@ class QueueCollector(Collector):
             "whether or not any worker serves that version; absent where none are.",
             labels=[*LABELS, "version"],
         )
+        pools: list[dict[str, Any]] = []
         for url, client in self._clients.items():
             where = redacted_url(url)
             try:
-                models, ages = self._read(url, client)
+                models, ages, found = self._read(url, client)
             except redis.RedisError as exc:
                 self._note_down(where, exc)
                 up.add_metric([where], 0.0)
                 continue
             self._note_up(where)
             up.add_metric([where], 1.0)
+            pools += found
             for model in models:
                 labels = [model["model"], where]
                 workers = model["workers"]
@@ -123,10 +127,13 @@ class QueueCollector(Collector):
                     families[NEWEST_HEARTBEAT_AGE].add_metric(labels, float(min(beats)))
                 if model["model"] in ages:
                     families[OLDEST_AGE].add_metric(labels, ages[model["model"]])
-        return [up, *families.values(), parked]
+        return [up, *families.values(), parked, *status.pool_metrics(pools)]
 
-    def _read(self, url: str, client: redis.Redis) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """``collect_shards`` of this one Redis, and the oldest waiting job's age of each model there."""
+    def _read(
+        self, url: str, client: redis.Redis
+    ) -> tuple[list[dict[str, Any]], dict[str, float], list[dict[str, Any]]]:
+        """``collect_shards`` of this one Redis, the oldest waiting job's age of each model there,
+        and the records of the pools that follow their queues there."""
         info = collect_shards({url: client}, self._shards, self._heartbeat_seconds)
         for warning in info["warnings"]:
             self._once(logging.WARNING, warning)
@@ -143,7 +150,7 @@ class QueueCollector(Collector):
                 f"{PARKED} leaves some out (ortq info says how many)",
             )
         models: list[dict[str, Any]] = info["models"]
-        return models, self._oldest_ages(client, [m["model"] for m in models])
+        return models, self._oldest_ages(client, [m["model"] for m in models]), info["pools"]
 
     def _oldest_ages(self, client: redis.Redis, models: list[str]) -> dict[str, float]:
         """Seconds since the head of each model's queue was enqueued (RQ's ``enqueued_at``), for the

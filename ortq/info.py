@@ -18,6 +18,7 @@ import redis
 from ortq import keys, tables
 from ortq.control import worker_records
 from ortq.errors import ConfigurationError, WireFormatError
+from ortq.pool import status
 from ortq.redisurls import redacted_url
 from ortq.rqcompat import layout
 from ortq.rqjob import parse_rq_time
@@ -252,7 +253,8 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
                 "workers": [w for w in workers if w["model"] == name],
             }
         )
-    return {"models": models, "skipped_queues": skipped, "skipped_parked_versions": skipped_parked}
+    shown = {"models": models, "skipped_queues": skipped, "skipped_parked_versions": skipped_parked}
+    return {**shown, "pools": status.read_pools(connection)}
 
 
 #: Versions with a parked list looked at per model at most: the workers' set of them may name as
@@ -344,9 +346,11 @@ def collect_shards(
     queued jobs on a Redis the map does not send it to (a worker started with the wrong URL)."""
     models: list[dict[str, Any]] = []
     warnings = []
+    pools: list[dict[str, Any]] = []
     skipped = skipped_parked = 0
     for url, connection in connections.items():
         info = collect(connection, heartbeat_seconds)
+        pools += info["pools"]
         skipped += info["skipped_queues"]
         skipped_parked += info["skipped_parked_versions"]
         for model in info["models"]:
@@ -354,7 +358,7 @@ def collect_shards(
             models.append(model)
             if (warning := misplaced(model, url, shards)) is not None:
                 warnings.append(warning)
-    shown = {"models": models, "warnings": warnings, "skipped_queues": skipped}
+    shown = {"models": models, "warnings": warnings, "skipped_queues": skipped, "pools": pools}
     return {**shown, "skipped_parked_versions": skipped_parked}
 
 
@@ -460,6 +464,8 @@ def format_info(info: dict[str, Any]) -> str:
             f" names were not looked at (at most {_MOST_UNSERVED_QUEUES} are): a queue of theirs is not shown"
         )
     warnings += _parked_note(info)
+    if info.get("pools"):  # pools that follow their queues (ortq.pool.status)
+        warnings = "\n\n" + status.format_pools(info["pools"]) + warnings
     if not info["models"]:
         return f"no ortq models or workers in {'these Redis instances' if sharded else 'this Redis'}{warnings}"
     redis_column: tuple[str, ...] = ("REDIS",) if sharded else ()

@@ -5,25 +5,29 @@ jobs compared with session.run)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-from ortq import keys
+from ortq import info, keys
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
 from ortq.errors import ConfigurationError
+from ortq.pool import status
 from ortq.pool.config import PoolConfig
 from ortq.pool.follow import Elastic, Follower, QueueState, SlotState, SlotView
 from ortq.producer import Producer
 from ortq.settings import Settings
+from tests import onnx_models
 from tests.cli_support import invoke
-from tests.conftest import Pool
+from tests.conftest import Pool, eventually
 
 MiB = 1024**2
 
@@ -42,11 +46,17 @@ class Slots:
 
     def __init__(self, *groups: Elastic) -> None:
         self.views: list[SlotView] = []
+        #: Workers still loading their model (not yet registered with RQ).
+        self.loading: set[str] = set()
         for group in groups:
             for _ in range(group.max_workers):
                 self.views.append(SlotView(len(self.views), group, SlotState.OFF))
 
     def apply(self, now: float, follower: Follower, queues: dict[str, QueueState]) -> list[str]:
+        """One tick; every running worker but those in :attr:`loading` shows as registered with RQ."""
+        for model, read in queues.items():
+            ready = {v.worker_name for v in self.views if v.state is SlotState.RUNNING and v.spec.model == model}
+            queues[model] = replace(read, ready=frozenset(ready - self.loading))
         done = []
         for action in follower.decide(now, self.views, queues):
             view = self.views[action.number]
@@ -100,7 +110,7 @@ def test_a_model_with_no_worker_is_served_even_when_every_other_is_busy() -> Non
     assert slots.apply(5, follower, queued(a=9, b=9, c=1)) == []
     # ... past it, the model with the most workers gives one up (a model with a worker waits its turn)
     assert slots.apply(11, follower, queued(a=9, b=9, c=1)) == [
-        "stop a: making room for c (waiting jobs): a ran 11 s, past min_residency_seconds"
+        "stop a: making room for c (waiting jobs): a served 10 s, past min_residency_seconds"
     ]
     slots.exit()
     # c, with no worker, goes before a (waiting longer, but with a worker) to the memory made free
@@ -108,6 +118,25 @@ def test_a_model_with_no_worker_is_served_even_when_every_other_is_busy() -> Non
     # a still waits, but has a worker: it takes no busy worker from anyone
     assert slots.apply(30, follower, queued(a=9, b=9, c=1)) == []
     assert slots.running() == ["a", "b", "c"]
+
+
+def test_a_worker_still_loading_is_not_stopped_and_the_room_made_is_kept_for_its_model() -> None:
+    follower, slots = Follower(), Slots(spec("a", 0, budget=1), spec("b", 1, budget=1), spec("c", 2, budget=1))
+    assert slots.apply(0, follower, queued(a=1, b=0, c=0)) == ["start a"]
+    slots.loading.add("a.0")
+    # b and c wait; a's worker is past the residency by its start, but still loads its model
+    assert slots.apply(20, follower, queued(a=1, b=1, c=0)) == []
+    slots.loading.clear()
+    assert slots.apply(21, follower, queued(a=0, b=1, c=1)) == []  # serving since 21
+    assert slots.apply(31, follower, queued(a=0, b=1, c=1)) == [
+        "stop a: making room for b (waiting jobs): a idle longest"
+    ]
+    slots.exit()
+    # The room was made for b: c does not take it, even were it first in line (say it waited
+    # longer, as a model whose own worker went away meanwhile would).
+    follower.models["c"].waiting_since = 0.0
+    assert slots.apply(32, follower, queued(a=0, b=1, c=1)) == ["start b"]
+    assert slots.running() == ["b"]
 
 
 def test_idle_workers_stop_but_never_below_min_workers() -> None:
@@ -131,6 +160,14 @@ def test_a_busy_worker_counts_as_activity_and_an_unread_queue_changes_nothing() 
     assert slots.apply(72, follower, queued(a=0)) == ["stop a: a had no job for 32 s (idle_seconds)"]
 
 
+def test_started_jobs_with_no_worker_make_a_model_wait() -> None:
+    """A killed worker's orphans are taken back only by a worker of their model: they count as waiting."""
+    follower, slots = Follower(), Slots(spec("a", 0), spec("b", 1))
+    assert slots.apply(0, follower, {"a": QueueState(0, started=True), "b": QueueState(0)}) == ["start a"]
+    # once a's worker runs, its started jobs are its own to take back: no second start, no idle stop
+    assert slots.apply(5, follower, {"a": QueueState(0, started=True), "b": QueueState(0)}) == []
+
+
 # ------------------------------------------------------------------------------------ config and --check
 
 
@@ -141,11 +178,16 @@ def model_file(tmp_path: Path) -> Path:
     return path
 
 
+def model_table(name: str, path: str | Path, group: str) -> str:
+    """A [[model]] of 100 MiB a worker, one thread, and its [[model.workers]] table's ``group`` lines."""
+    return (f'\n[[model]]\nname = "{name}"\npath = "{path}"\nthreads = 1\nmemory_per_worker_mib = 100\n'
+            f"[[model.workers]]\n{group}")  # fmt: skip
+
+
 def pool_file(tmp_path: Path, pool: str, groups: list[str]) -> Path:
     text = "[pool]\nmeasure_memory = false\n" + pool
     for n, group in enumerate(groups):
-        text += f'[[model]]\nname = "m{n}"\npath = "digits.onnx"\nmemory_per_worker_mib = 100\n'
-        text += f"[[model.workers]]\n{group}"
+        text += model_table(f"m{n}", "digits.onnx", group)
     path = tmp_path / "pool.toml"
     path.write_text(text)
     return path
@@ -225,16 +267,7 @@ def test_four_models_under_a_budget_of_two_workers_are_all_served(
     names = [f"{model_name}m{n}" for n in range(4)]
     text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 200\nmin_residency_seconds = 1\ngrace_seconds = 60\n"
     for name in names:
-        text += textwrap.dedent(f"""
-            [[model]]
-            name = "{name}"
-            path = "digits.onnx"
-            threads = 1
-            memory_per_worker_mib = 100
-            [[model.workers]]
-            max_workers = 1
-            idle_seconds = 600
-        """)
+        text += model_table(name, "digits.onnx", "max_workers = 1\nidle_seconds = 600\n")
     path = tmp_path / "pool.toml"
     path.write_text(text)
     pool = Pool(path, redis_url)
@@ -258,8 +291,22 @@ def test_four_models_under_a_budget_of_two_workers_are_all_served(
     with ThreadPoolExecutor(len(names)) as rush:  # a failed check in any thread is raised here
         list(rush.map(serve, names, [pixels[20 + 5 * n : 25 + 5 * n] for n in range(len(names))]))
 
+    # The pool's record, as ortq info and the exporter read it.
+    [record] = info.collect(producer.connection)["pools"]
+    [adapter] = record["adapters"]
+    assert adapter["budget_bytes"] == 200 * MiB and 0 < adapter["used_bytes"] <= 200 * MiB, record
+    assert record["evictions"] >= 1 and record["cold_starts"] >= 4, record
+    assert set(record["loads"]) <= set(names) and all(v["count"] >= 1 for v in record["loads"].values()), record
+    shown = invoke("info", "--redis-url", redis_url)
+    assert re.search(r"^POOL\s+ADAPTER\s+BUDGET\s+USED\s+RESIDENT\s+CHANGING\s+EVICTIONS\s+COLD STARTS$",
+                     shown.stdout, re.M), shown.stdout  # fmt: skip
+    series = {m.name: m.samples for m in status.pool_metrics([record])}
+    assert [s.value for s in series["ortq_pool_budget_bytes"]] == [200.0 * MiB]
+    assert series["ortq_pool_evictions"][0].value == record["evictions"]
+
     pool.process.send_signal(signal.SIGTERM)
     assert pool.wait() == 0, pool.text()
+    assert info.collect(producer.connection)["pools"] == []  # withdrawn as it stopped
     log = pool.text().replace(model_name, "")
     assert "making room for m" in log, log  # evictions happened
     most, starts = live_counts(log)
@@ -270,3 +317,73 @@ def test_four_models_under_a_budget_of_two_workers_are_all_served(
     for name in names:  # nothing left behind
         assert producer.connection.llen(keys.queue_key(name)) == 0
     producer.close()
+
+
+def test_a_worker_killed_while_it_makes_room_loses_no_job(
+    tmp_path: Path, model_file: Path, models_dir: Path, redis_url: str, model_name: str, pools: list[Pool]
+) -> None:
+    """One worker's budget, a slow model and the digits model: the slow model's busy worker is
+    stopped for the digits job (it has no worker), and SIGKILLed while it finishes its run. The
+    digits job is answered; the slow job, orphaned, is taken back by the slow model's next worker
+    once the digits worker has gone idle, and answered once, as session.run answers it."""
+    slow_path = onnx_models.timed_slow_model(models_dir / "follow-slow-3s.onnx", 3.0)
+    slow, digits = f"{model_name}slow", f"{model_name}digits"
+    path = tmp_path / "pool.toml"
+    pool_text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 100\nmin_residency_seconds = 0.5\n"
+    pool_text += '[pool.env]\nORTQ_HEARTBEAT_SECONDS = "1"\n'
+    pool_text += model_table(slow, slow_path, "max_workers = 1\n")
+    path.write_text(pool_text + model_table(digits, "digits.onnx", "max_workers = 1\nidle_seconds = 2\n"))
+    pool = Pool(path, redis_url)
+    pools.append(pool)
+    producer = Producer(settings=Settings.from_url(redis_url), allow_unknown_models=True)
+    x = np.full((1, 256), 0.5, np.float32)
+    slow_job = producer.submit(slow, {"x": x})
+    eventually(lambda: slow_job.status() == "started", timeout=120, what="the slow job to start")
+    row = np.load(HOLDOUT_PATH)["pixels"][:1]
+    digits_job = producer.submit(digits, {"pixels": row})
+    stopping = re.compile(rf"stopping worker {slow}\.0 \(pid (\d+)\): making room for {digits}")
+    eventually(lambda: stopping.search(pool.text()), timeout=120, what="the slow worker to be stopped")
+    match = stopping.search(pool.text())
+    assert match is not None
+    os.kill(int(match.group(1)), signal.SIGKILL)
+
+    digits_session = ort.InferenceSession(str(MODEL_PATH), providers=["CPUExecutionProvider"])
+    got = digits_job.result(timeout=300)
+    np.testing.assert_allclose(got["probabilities"], digits_session.run(["probabilities"], {"pixels": row})[0],
+                               rtol=1e-6)  # fmt: skip
+    slow_session = ort.InferenceSession(str(slow_path), providers=["CPUExecutionProvider"])
+    expected = slow_session.run(None, {"x": x})
+    got = slow_job.result(timeout=300)
+    for name, value in zip([o.name for o in slow_session.get_outputs()], expected, strict=True):
+        np.testing.assert_allclose(got[name], value, rtol=1e-6)
+    pool.process.send_signal(signal.SIGTERM)
+    assert pool.wait() == 0, pool.text()
+    log = pool.text()
+    assert re.search(rf"worker {slow}\.0 \(pid {match.group(1)}\) killed by SIGKILL after [\d.]+ s: stopped", log), log
+    most, _ = live_counts(log.replace(slow, "m0").replace(digits, "m1"))
+    assert most <= 1, log
+    producer.close()
+
+
+def test_readers_skip_pool_records_that_are_not_a_pools(redis_url: str, model_name: str) -> None:
+    """Anyone with the worker rule may write ortq:pool:*: junk, a huge value, a wrong shape, a
+    member naming no key are all left out, and a reader reads at most MOST_RECORD_BYTES of each."""
+    connection = Settings.from_url(redis_url).connect()
+    good = status.PoolStatus(f"{model_name}-good").record({"cpu": 100 * MiB}, [])
+    junk = {
+        f"{model_name}-json": b"{not json",
+        f"{model_name}-huge": b"x" * (status.MOST_RECORD_BYTES + 10),
+        f"{model_name}-shape": json.dumps({"pool": 1, "adapters": "no"}).encode(),
+        f"{model_name}-good": json.dumps(good).encode(),
+    }
+    try:
+        for name, value in junk.items():
+            connection.set(status.pool_key(name), value)
+        connection.sadd(status.POOLS_SET, *junk, f"{model_name}-gone")
+        pools = [p for p in status.read_pools(connection) if p["pool"].startswith(model_name)]
+        assert [p["pool"] for p in pools] == [f"{model_name}-good"]
+        assert "none" not in status.format_pools(pools) and "100 MiB" in status.format_pools(pools)
+    finally:
+        connection.delete(*(status.pool_key(n) for n in junk))
+        connection.srem(status.POOLS_SET, *junk, f"{model_name}-gone")
+        connection.close()

@@ -70,7 +70,8 @@ MONITOR_RULES = (
     "resetchannels resetkeys -@all +ping +select +scan +type +get +getrange +mget +scard +srandmember "
     "+hget +hmget +llen +zcard "
     "%R~ortq:signature:* %R~ortq:signatures %R~ortq:workers %R~ortq:worker:* %R~rq:worker:* %R~rq:queues "
-    "%R~rq:queue:ortq:* %R~ortq:parked:* %R~rq:wip:ortq:* %R~rq:failed:ortq:* %R~rq:finished:ortq:*"
+    "%R~rq:queue:ortq:* %R~ortq:parked:* %R~ortq:pools %R~ortq:pool:* %R~rq:wip:ortq:* %R~rq:failed:ortq:* "
+    "%R~rq:finished:ortq:*"
 )
 USERS = {"ortq-producer": PRODUCER_RULES, "ortq-worker": WORKER_RULES, "ortq-monitor": MONITOR_RULES}
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +123,7 @@ def _pool_redis_url(given: ParameterSource | None, redis_url: str | None, config
 def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:
     from ortq.pool.follow import QueueReader
     from ortq.pool.plan import build_slots
+    from ortq.pool.status import Publisher
     from ortq.pool.supervisor import Supervisor
 
     log = logging.getLogger("ortq.pool")
@@ -133,9 +136,12 @@ def _run(plan: Plan, settings: Settings, shards: ShardMap) -> int:
     config = plan.config
     # An elastic pool reads its models' queues with the workers' own credentials, on each one's Redis.
     queues = QueueReader(lambda url: settings.for_redis(url).connect(check=False), shards.url_for)
+    # Its record (budgets, resident models, evictions) goes to the pool's own Redis, for ortq info.
+    publisher = Publisher(settings.connect(check=False), f"{socket.gethostname()}.{os.getpid()}")
     supervisor = Supervisor(build_slots(plan, shards, verbose), config.restart, config.grace_seconds,
                             config.log_dir, send_shutdown=_shutdown_through_redis(settings),
-                            queues=queues if config.elastic else None)  # fmt: skip
+                            queues=queues if config.elastic else None,
+                            publisher=publisher if config.elastic else None)  # fmt: skip
 
     def stop(signum: int, frame: FrameType | None) -> None:
         supervisor.request_stop(f"got {signal.Signals(signum).name}")

@@ -8,6 +8,8 @@ state (:class:`QueueReader`), then decides, in this order:
 1. **Minimum**: a group below ``min_workers`` starts one, memory allowing.
 2. **Idle**: a worker whose model has had no queued job and no busy worker for ``idle_seconds``
    stops, unless that takes its group below ``min_workers``.
+   A model "waits" while it has queued jobs, or started ones and no worker running (a stopped or
+   killed worker's orphans, which only a worker of the model takes back).
 3. **Waiting models**, those with no worker first, then the one waiting longest: a model with
    queued jobs and fewer workers than ``max_workers`` starts one if its adapter's budget has room.
    If not, it makes room: a worker of another model on that adapter that is above its minimum
@@ -81,10 +83,15 @@ class SlotView:
 
 @dataclass(frozen=True)
 class QueueState:
-    """What was read of one model: its queued jobs (None: the read failed) and its busy workers' names."""
+    """What was read of one model: its queued jobs (None: the read failed), its busy workers'
+    names, and whether its started registry holds any job."""
 
     queued: int | None
     busy: frozenset[str] = frozenset()
+    started: bool = False
+    #: The pool's workers of it that have registered with RQ (their hash has a state): serving,
+    #: no longer loading their model.
+    ready: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -106,40 +113,62 @@ class _Model:
 
 @dataclass
 class Follower:
-    """The decisions, with what it remembers between ticks (when each model was last active and
-    since when it has waited)."""
+    """The decisions, with what it remembers between ticks: when each model was last active and
+    since when it has waited, when each worker was first seen serving, and for which model room
+    is being made on an adapter (no other model takes that room)."""
 
     models: dict[str, _Model] = field(default_factory=dict)
+    ready_at: dict[str, float] = field(default_factory=dict)
+    reserved: dict[str, str] = field(default_factory=dict)
 
     def decide(self, now: float, slots: Sequence[SlotView], queues: Mapping[str, QueueState]) -> list[Action]:
         """What to start and stop now (module docstring), from ``slots`` and what was read."""
-        running = [s for s in slots if s.state is SlotState.RUNNING]
-        for view in slots:
-            model = self.models.setdefault(view.spec.model, _Model(now))
-            queue = queues.get(view.spec.model)
-            if queue is not None and queue.queued is not None:
-                busy = any(s.worker_name in queue.busy for s in running if s.spec.model == view.spec.model)
-                if queue.queued > 0 or busy:
-                    model.active_at = now
-                if queue.queued > 0:
-                    model.waiting_since = model.waiting_since if model.waiting_since is not None else now
-                else:
-                    model.waiting_since = None
-        plan = _Tick(now, list(slots), queues, self.models)
+        self._remember(now, slots, queues)
+        plan = _Tick(now, list(slots), queues, self)
         plan.minimum()
         plan.idle()
         plan.waiting()
         return plan.actions
 
+    def _remember(self, now: float, slots: Sequence[SlotView], queues: Mapping[str, QueueState]) -> None:
+        """What this read changes in what is remembered between ticks."""
+        running = [s for s in slots if s.state is SlotState.RUNNING]
+        names = {s.worker_name for s in running}
+        self.ready_at = {name: at for name, at in self.ready_at.items() if name in names}
+        for read in queues.values():
+            for name in read.ready & names:
+                self.ready_at.setdefault(name, now)
+        for view in slots:
+            model = self.models.setdefault(view.spec.model, _Model(now))
+            queue = queues.get(view.spec.model)
+            if queue is not None and queue.queued is not None:
+                mine = [s for s in running if s.spec.model == view.spec.model]
+                busy = any(s.worker_name in queue.busy for s in mine)
+                if queue.queued > 0 or busy:
+                    model.active_at = now
+                # Started jobs with no worker of the pool running: a stopped or killed worker's
+                # orphans (or another host's jobs), which only a worker of the model takes back.
+                if queue.queued > 0 or (queue.started and not mine):
+                    model.waiting_since = model.waiting_since if model.waiting_since is not None else now
+                else:
+                    model.waiting_since = None
+        for adapter, waiting in list(self.reserved.items()):
+            if self.models[waiting].waiting_since is None:
+                del self.reserved[adapter]  # it waits no more: the room is anyone's
+
 
 class _Tick:
     """One tick's decisions, each applied to the views as it is made (a started slot counts at once)."""
 
-    def __init__(
-        self, now: float, slots: list[SlotView], queues: Mapping[str, QueueState], models: Mapping[str, _Model]
-    ) -> None:
-        self.now, self.slots, self.queues, self.models = now, slots, queues, models
+    def __init__(self, now: float, slots: list[SlotView], queues: Mapping[str, QueueState], follower: Follower) -> None:
+        self.now, self.slots, self.queues = now, slots, queues
+        self.models, self.ready_at, self.reserved = follower.models, follower.ready_at, follower.reserved
         self.actions: list[Action] = []
+
+    def _served(self, view: SlotView) -> float | None:
+        """How long the worker has served (since RQ first showed it); None while it loads."""
+        at = self.ready_at.get(view.worker_name)
+        return None if at is None else self.now - at
 
     def _set(self, view: SlotView, state: SlotState, why: str) -> None:
         self.slots[self.slots.index(view)] = SlotView(view.number, view.spec, state, self.now, view.worker_name)
@@ -175,10 +204,11 @@ class _Tick:
 
     def idle(self) -> None:
         for view in list(self._live()):
-            if self._is_busy(view):  # or its queue could not be read
+            served = self._served(view)
+            if served is None or self._is_busy(view):  # loading, busy, or its queue unread
                 continue
             spec, model = view.spec, self.models[view.spec.model]
-            idle_for = self.now - max(model.active_at, view.started_at)
+            idle_for = min(self.now - model.active_at, served)
             if idle_for >= spec.idle_seconds and len(self._live(spec.group)) > spec.min_workers:
                 self._set(view, SlotState.STOPPING, f"{spec.model} had no job for {idle_for:.0f} s (idle_seconds)")
 
@@ -198,10 +228,13 @@ class _Tick:
                 off = self._off(spec.group)
                 if off is None:
                     continue
+                if self.reserved.get(spec.adapter, name) != name:
+                    break  # room is being made there for another model: it goes first
                 if self._room(spec):
-                    self._set(off, SlotState.RUNNING, f"{name} has queued jobs")
-                elif not self._freeing(spec):
-                    self._make_room(spec, starving=not self._live(model=name))
+                    self.reserved.pop(spec.adapter, None)
+                    self._set(off, SlotState.RUNNING, f"{name} has waiting jobs")
+                elif not self._freeing(spec) and self._make_room(spec, starving=not self._live(model=name)):
+                    self.reserved[spec.adapter] = name
                 break
 
     def _freeing(self, spec: Elastic) -> bool:
@@ -212,15 +245,16 @@ class _Tick:
         assert spec.budget_bytes is not None  # _room said no
         return self._used(spec.adapter) - stopping + spec.worker_bytes <= spec.budget_bytes
 
-    def _make_room(self, spec: Elastic, starving: bool) -> None:
-        """Stop one worker of another model on ``spec``'s adapter (module docstring, rule 3)."""
+    def _make_room(self, spec: Elastic, starving: bool) -> bool:
+        """Stop one worker of another model on ``spec``'s adapter (module docstring, rule 3); False
+        when none may be stopped yet. A worker still loading its model is never taken."""
         candidates = [
             s
             for s in self._live()
             if s.spec.adapter == spec.adapter
             and s.spec.model != spec.model
             and len(self._live(s.spec.group)) > s.spec.min_workers
-            and self.now - s.started_at >= s.spec.min_residency_seconds
+            and (self._served(s) or -1.0) >= s.spec.min_residency_seconds
         ]
         idle = [s for s in candidates if not self._is_busy(s)]
         victim: SlotView | None = None
@@ -229,10 +263,11 @@ class _Tick:
             why = "idle longest"
         elif starving and candidates:
             victim = min(candidates, key=lambda s: (-len(self._live(model=s.spec.model)), s.started_at))
-            why = f"ran {self.now - victim.started_at:.0f} s, past min_residency_seconds"
-        if victim is not None:
-            why = f"making room for {spec.model} (waiting jobs): {victim.spec.model} {why}"
-            self._set(victim, SlotState.STOPPING, why)
+            why = f"served {self._served(victim) or 0:.0f} s, past min_residency_seconds"
+        if victim is None:
+            return False
+        self._set(victim, SlotState.STOPPING, f"making room for {spec.model} (waiting jobs): {victim.spec.model} {why}")
+        return True
 
     def _is_busy(self, view: SlotView) -> bool:
         queue = self.queues.get(view.spec.model)
@@ -242,9 +277,10 @@ class _Tick:
 
 
 class QueueReader:
-    """Reads what the follower decides on: per model its queue's length and which of the pool's
-    workers of it are busy (RQ's worker hash ``state``), one pipeline per Redis; with the workers'
-    own credentials (``+llen +hget`` are in the worker rule, docs/security.md)."""
+    """Reads what the follower decides on: per model its queue's length, whether its started
+    registry holds a job, and which of the pool's workers of it are busy (RQ's worker hash
+    ``state``), one pipeline per Redis; with the workers' own credentials (``+llen +zrange +hget``
+    are in the worker rule, docs/security.md)."""
 
     def __init__(self, connect: Callable[[str], Any], url_for: Callable[[str], str]) -> None:
         self._connect, self._url_for = connect, url_for
@@ -263,13 +299,15 @@ class QueueReader:
                 pipe = connection.pipeline(transaction=False)
                 for model in models:
                     pipe.llen(keys.queue_key(model))
+                    pipe.zrange(layout.QueueKeys.of(keys.queue_name(model)).started, 0, 0)
                     for name in workers[model]:
                         pipe.hget(layout.worker_key(name), "state")
                 replies = iter(pipe.execute())
                 for model in models:
-                    queued = int(next(replies))
-                    busy = frozenset(n for n in workers[model] if next(replies) in (b"busy", "busy"))
-                    states[model] = QueueState(queued, busy)
+                    queued, started = int(next(replies)), bool(next(replies))
+                    state = {name: keys.as_text(value) for name in workers[model] if (value := next(replies))}
+                    busy = frozenset(name for name, value in state.items() if value == "busy")
+                    states[model] = QueueState(queued, busy, started, frozenset(state))
                 self._failing.discard(url)
             except Exception as exc:  # Redis down or refusing: decide nothing for these models
                 if url not in self._failing:

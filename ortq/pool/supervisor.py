@@ -29,6 +29,7 @@ from ortq.pool.config import RestartPolicy
 from ortq.pool.follow import FOLLOW_SECONDS, Follower, QueueReader, SlotState, SlotView
 from ortq.pool.plan import WorkerSlot, worker_environment
 from ortq.pool.restart import Action, Decision, ExitHistory, decide, describe_exit
+from ortq.pool.status import PoolStatus, Publisher, WorkerNow
 
 log = logging.getLogger("ortq.pool")
 
@@ -102,6 +103,7 @@ class Supervisor:
         output: TextIO | None = None,
         send_shutdown: Callable[[str, str | None], None] | None = None,
         queues: QueueReader | None = None,
+        publisher: Publisher | None = None,
     ) -> None:
         #: Asks the worker of that name to stop through its Redis (RQ's shutdown command; the URL is
         #: its slot's, None for the pool's); used on Windows, where a pool running as a service has
@@ -124,6 +126,12 @@ class Supervisor:
         self._queues = queues
         self._follower = Follower()
         self._followed_at = -FOLLOW_SECONDS
+        #: The pool's record for ortq info and the exporter (ortq.pool.status), and the workers
+        #: whose model load it has counted.
+        self._publisher = publisher
+        self._status = PoolStatus(publisher.name if publisher else "")
+        self._loaded: set[str] = set()
+        self._reasons: dict[int, str] = {}  # slot number -> why it was last started or stopped
         self._host = socket.gethostname()
         # Plain flags, not an Event: request_stop runs in a signal handler, which must not take a
         # lock the interrupted main thread may hold.
@@ -154,6 +162,8 @@ class Supervisor:
             self._supervise()
         finally:
             stopped = self._shutdown()
+            if self._publisher is not None:
+                self._publisher.withdraw()
         if self._stopping:
             status = 0 if stopped.clean else 1
             log.log(logging.INFO if stopped.clean else logging.WARNING,
@@ -172,10 +182,12 @@ class Supervisor:
     def _supervise(self) -> None:
         while not self._stopping:
             now = time.monotonic()
+            freed = False  # an elastic worker exited: its memory may be what a waiting model needs
             for worker in self._workers:
                 if worker.process is not None and (code := worker.process.poll()) is not None:
                     self._exited(worker, code, now)
-            if self._elastic and now - self._followed_at >= FOLLOW_SECONDS:
+                    freed |= worker.slot.elastic is not None
+            if self._elastic and (freed or now - self._followed_at >= FOLLOW_SECONDS):
                 self._followed_at = now
                 self._follow(now)
             for worker in self._workers:
@@ -271,6 +283,9 @@ class Supervisor:
         by_number = {w.slot.number: w for w in self._elastic}
         for action in self._follower.decide(now, views, self._queues.read(running)):
             worker = by_number[action.number]
+            model = worker.slot.elastic.model if worker.slot.elastic else ""
+            self._status.acted(action.start, worker.slot.label, model, action.why, cold=not running.get(model))
+            self._reasons[action.number] = action.why
             if action.start:
                 worker.wanted, worker.next_start = True, now
                 log.info("starting a worker %s: %s", worker.slot.label, action.why)
@@ -280,6 +295,27 @@ class Supervisor:
                 worker.stopped_for = action.why
                 log.info("stopping worker %s (pid %d): %s", worker.slot.label, worker.process.pid, action.why)
                 self._send_stop(worker)
+        if self._publisher is not None:
+            self._publisher.publish(self._record())
+
+    def _record(self) -> dict[str, Any]:
+        """The pool's record now (ortq.pool.status), with the model loads seen since the last."""
+        ready_at = self._follower.ready_at
+        budgets: dict[str, int | None] = {}
+        now: list[WorkerNow] = []
+        for worker in self._elastic:
+            spec = worker.slot.elastic
+            assert spec is not None
+            budgets[spec.adapter] = spec.budget_bytes
+            if worker.process is None:
+                continue
+            if worker.name in ready_at and worker.name not in self._loaded:
+                self._loaded.add(worker.name)
+                self._status.loaded(spec.model, ready_at[worker.name] - worker.started_at)
+            state = "stopping" if not worker.wanted else "serving" if worker.name in ready_at else "loading"
+            why = self._reasons.get(worker.slot.number, "")
+            now.append(WorkerNow(worker.slot.label, spec.model, spec.adapter, state, spec.worker_bytes, why))
+        return self._status.record(budgets, now)
 
     def _decided(self, worker: _Worker, pid: int, uptime: float, decision: Decision, code: int = 1) -> None:
         worker.process = None

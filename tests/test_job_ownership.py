@@ -165,32 +165,37 @@ def test_a_redis_error_at_any_call_leaves_no_job_held_lost_or_answered_twice(
         expected += [f"pipeline[{script} PUBLISH WAIT] @{word}" for script in ("finish", "fail") for word in CONFIRM]
     calls = {site.split(" ", 1)[1] for site in sites}
     assert not set(expected) - calls, (expected, sites)
-    reached: set[str] = set()
-    unreached: list[str] = []
-    for site in sites:
+
+    def fire(site: str, tries: int) -> bool:
+        """Arm a fault at ``site`` for up to ``tries`` rounds; whether it fired. Every round after
+        it must still end with each job answered once (Rounds.run checks)."""
         fault = Fault(site, mode)
         with faults.armed(fault):
             try:
                 # A site a round does not reach (the heartbeat thread's upkeep while the worker idles,
                 # the replier when the main thread has no batch waiting) may be met in the next ones.
-                for _ in range(4):
+                for _ in range(tries):
                     rounds.run()
                     if fault.fired.wait(2):
                         break
                 rounds.run()
             except Exception as exc:
                 raise AssertionError(f"after a fault {mode} {site}: {exc}") from exc
-        if fault.fired.is_set():
-            reached.add(site)
-        else:
-            unreached.append(site)
-    # The same call made by another thread (a batch is answered by the replier or, when nothing
-    # waits, by the main thread: Replier.answer either way) counts for one not reached here. A
-    # call that only timing brings about (the started registry's ZRANGE when a scan finds jobs in
-    # flight; an empty registry ends the scan at TYPE) may be missed too, but not many.
-    calls = {site.split(" ", 1)[1] for site in reached}
-    missed = [site for site in unreached if site.split(" ", 1)[1] not in calls]
-    assert len(missed) <= 2 and len(reached) >= 15, (missed, sorted(reached))
+        return fault.fired.is_set()
+
+    reached = {site for site in sites if fire(site, 4)}
+
+    def missed() -> list[str]:
+        # The same call made by another thread (a batch is answered by the replier or, when nothing
+        # waits, by the main thread: Replier.answer either way) counts for one not reached here.
+        calls = {site.split(" ", 1)[1] for site in reached}
+        return [site for site in sites if site not in reached and site.split(" ", 1)[1] not in calls]
+
+    # A call that only timing brings about (the started registry's ZRANGE when a scan finds jobs in
+    # flight, the feeder answering a lone request while the main thread has none, a beat's fuller
+    # record) gets a second chance, longer: on a loaded machine the first may not have met it.
+    reached |= {site for site in missed() if fire(site, 12)}
+    assert len(missed()) <= 2 and len(reached) >= 15, (missed(), sorted(reached))
 
 
 def _answered_once(admin: redis.Redis, model: str, job_ids: list[str]) -> None:

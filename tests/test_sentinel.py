@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,23 +95,49 @@ class SentinelGroup:
         self.processes[port].wait(10)
         self._data_node(port)
 
+    def _listening(self, ports: list[int], index: int, start: Callable[[int], None]) -> None:
+        """``start(ports[index])``, returning once that process answers on its port. A port that
+        another process took between free_port() and the bind (a busy machine) makes the process
+        exit: it is started again on a fresh port (at most 5 times)."""
+        for _ in range(5):
+            port = ports[index]
+            start(port)
+            process = self.processes[port]
+            client = redis.Redis(port=port, socket_timeout=5)
+            try:
+                while process.poll() is None:
+                    try:  # the answer must be this process's: the port's taker may answer too
+                        if int(client.info("server")["process_id"]) == process.pid:
+                            return
+                    except redis.ConnectionError:
+                        pass
+                    time.sleep(0.05)
+            finally:
+                client.close()
+            del self.processes[port]
+            ports[index] = free_port()
+        raise AssertionError(f"no free port held for {start}\n{self.logs()}")
+
+    def _sentinel(self, port: int) -> None:
+        config = self.directory / f"sentinel-{port}.conf"
+        config.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.data_ports[0]} 2\n"
+            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {SERVICE} 10000\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+        )
+        self._start(port, _sentinel_command(config))
+
     def start(self) -> SentinelGroup:
-        primary, replica = self.data_ports
-        self._data_node(primary)
-        self._data_node(replica, "--replicaof", "127.0.0.1", str(primary))
-        admin = redis.Redis(port=primary, socket_timeout=5)
+        self._listening(self.data_ports, 0, self._data_node)
+        self._listening(self.data_ports, 1, lambda port: self._data_node(port, "--replicaof", "127.0.0.1",
+                                                                         str(self.data_ports[0])))  # fmt: skip
+        admin = redis.Redis(port=self.data_ports[0], socket_timeout=5)
         _wait(lambda: _connected_replicas(admin) == 1, "the replica to connect", self)
         admin.close()
-        for port in self.sentinel_ports:
-            config = self.directory / f"sentinel-{port}.conf"
-            config.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
-                f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
-                f"sentinel failover-timeout {SERVICE} 10000\n"
-                f"sentinel parallel-syncs {SERVICE} 1\n"
-            )
-            self._start(port, _sentinel_command(config))
+        for index in range(len(self.sentinel_ports)):
+            self._listening(self.sentinel_ports, index, self._sentinel)
         for port in self.sentinel_ports:
             client = redis.Redis(port=port, socket_timeout=5)
             _wait(lambda c=client: _sees_everyone(c), f"sentinel {port} to see the replica and the others", self)

@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 from functools import cached_property
 
 import click
@@ -17,6 +18,7 @@ from jinja2 import BaseLoader
 from werkzeug.serving import LISTEN_QUEUE, get_sockaddr, make_server, select_address_family
 
 from ortq.dashboard import guard, rqdash, rqviews
+from ortq.dashboard.history import HEIGHT, SAMPLE_SECONDS, WIDTH, History
 from ortq.dashboard.page import TEMPLATE, UNREACHABLE, page_context
 from ortq.dashboard.records import describe
 from ortq.dashboard.templates import PatchedTemplates
@@ -62,6 +64,8 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
     rqviews.install_views(app)
     app.before_request(rqviews.check_arguments)
     where = ", ".join(redacted_url(url) for url in connections)
+    history = History(connections, settings.heartbeat_seconds)
+    app.extensions["ortq_history"] = history  # serve() samples it in a thread of its own
 
     def job_url(job_id: str, instance: int = 0) -> str:
         return url_for("rq_dashboard.job_view", instance_number=instance, job_id=job_id)
@@ -71,7 +75,8 @@ def create_app(settings: Settings, access: guard.Access | None = None, refresh_s
         context = page_context(connections, shards, settings.heartbeat_seconds)
         html = render_template_string(
             TEMPLATE, refresh_seconds=refresh_seconds, rq_url=url_for("rq_dashboard.queues_overview"),
-            job_url=job_url, **context,
+            job_url=job_url, charts=history.charts(), chart_size=(WIDTH, HEIGHT), sample_seconds=SAMPLE_SECONDS,
+            **context,
         )  # fmt: skip
         return make_response(html)
 
@@ -127,6 +132,9 @@ def serve(app: Flask, host: str, listener: socket.socket) -> None:
     """
     port = listener.getsockname()[1]
     server = make_server(host, port, app, threaded=True, fd=listener.fileno())
+    stop_sampling = threading.Event()
+    if isinstance(history := app.extensions.get("ortq_history"), History):
+        history.start(stop_sampling)
     listener.close()  # the server listens on its own copy of the socket
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"ortq dashboard on http://{shown}:{port}/ (rq-dashboard at {RQ_PREFIX}/)")
@@ -135,4 +143,5 @@ def serve(app: Flask, host: str, listener: socket.socket) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        stop_sampling.set()
         server.server_close()

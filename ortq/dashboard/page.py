@@ -94,9 +94,10 @@ def _section(connection: redis.Redis, heartbeat_seconds: float) -> dict[str, Any
     """One Redis's models, with their latest failures. A record ortq cannot read fills ``problem``
     instead of failing the page: ``ortq info`` reads Redis as a whole, so one forged record hides
     the models."""
-    section: dict[str, Any] = {"models": [], "problem": None}
+    section: dict[str, Any] = {"models": [], "problem": None, "pools": []}
     try:
-        section["models"] = collect(connection, heartbeat_seconds)["models"]
+        info = collect(connection, heartbeat_seconds)
+        section["models"], section["pools"] = info["models"], info["pools"]
     except REDIS_DOWN:
         raise
     except Exception as exc:
@@ -139,6 +140,10 @@ th { background: #f5f5f5; }
 .ready { color: #176f2c; font-weight: 600; }
 .notready, .bad { color: #b3261e; font-weight: 600; }
 code { font-size: .95em; }
+.charts { display: flex; flex-wrap: wrap; gap: 1em; }
+figure.chart { margin: 0; }
+figure.chart figcaption { font-weight: 600; }
+.legend { margin: .2em 0; max-width: 560px; }
 </style>
 </head>
 <body>
@@ -151,10 +156,44 @@ code { font-size: .95em; }
 </header>
 {% for w in warnings %}<p class="bad warning">WARNING: {{ w }}</p>
 {% endfor %}
+{% if charts %}<section id="charts"><h2>Over time <span class="muted">(sampled by this dashboard every
+{{ '%g' % sample_seconds }} s while it runs)</span></h2><div class="charts">
+{% for c in charts %}<figure class="chart" data-chart="{{ c.title }}">
+<figcaption>{{ c.title }} <span class="muted">(0 to {{ '%.3g' % c.top }} {{ c.unit }}, the last
+{{ (c.span_seconds / 60) | round(1) }} min)</span></figcaption>
+<svg viewBox="0 0 {{ chart_size[0] }} {{ chart_size[1] }}" width="{{ chart_size[0] }}" height="{{ chart_size[1] }}"
+ role="img" aria-label="{{ c.title }}"><rect width="100%" height="100%" fill="#fafafa" stroke="#ddd"/>
+<line x1="0" y1="{{ chart_size[1] / 2 }}" x2="{{ chart_size[0] }}" y2="{{ chart_size[1] / 2 }}" stroke="#eee"/>
+{% for label, colour, points, latest in c.lines %}<polyline fill="none" stroke="{{ colour }}" stroke-width="1.5"
+ points="{{ points }}"/>{% endfor %}
+{% for colour, x, y in c.marks %}<circle cx="{{ '%.1f' % x }}" cy="{{ '%.1f' % y }}" r="3" fill="{{ colour }}"/>
+{% endfor %}</svg>
+<p class="legend">{% for label, colour, points, latest in c.lines %}<span class="nowrap"><span
+ style="color: {{ colour }}">&#9632;</span> {{ label }} {{ '%.3g' % latest }}</span> {% endfor %}
+{%- if c.left_out %}<span class="muted">({{ c.left_out }} more not drawn)</span>{% endif %}</p>
+</figure>
+{% endfor %}</div></section>{% endif %}
 {% for r in sections %}
 {% if sections | length > 1 %}<h2 class="redis" data-redis="{{ r.index }}">Redis {{ r.url }}</h2>{% endif %}
 {% if r.problem %}<p id="problem" class="bad">{{ r.problem }}</p>
 {% elif not r.models %}<p id="empty">No ortq models, queues or workers in this Redis.</p>{% endif %}
+{% if r.pools %}<section id="pools"><h2>pools that follow their queues</h2>
+<table>
+<tr><th>pool</th><th>adapter</th><th>budget</th><th>held</th><th>resident models</th><th>workers</th><th>evictions</th>
+<th>cold starts</th></tr>
+{% for p in r.pools %}{% for a in p.adapters %}
+<tr class="pool" data-pool="{{ p.pool }}" data-adapter="{{ a.adapter }}">
+<td>{{ p.pool }}</td><td>{{ a.adapter }}</td>
+<td data-field="budget">{{ '%.0f MiB' % (a.budget_bytes / 1048576) if a.budget_bytes is number else 'none' }}</td>
+<td data-field="used">{{ '%.0f MiB' % (a.used_bytes / 1048576) }}</td>
+<td data-field="resident">{{ (a.resident or []) | join(', ') or '-' }}</td>
+<td data-field="workers">{% for w in a.workers %}<span class="nowrap">{{ w.model }} {{ w.state }}</span>
+{%- if w.why %} <span class="muted">({{ w.why }})</span>{% endif %}{{ '; ' if not loop.last }}
+{%- else %}-{% endfor %}</td>
+<td data-field="evictions">{{ p.evictions }}</td><td data-field="cold_starts">{{ p.cold_starts }}</td>
+</tr>
+{% endfor %}{% endfor %}
+</table></section>{% endif %}
 {% for m in r.models %}
 <section class="model" data-model="{{ m.model }}" data-redis="{{ r.index }}">
 <h2>model <code>{{ m.model }}</code> <span class="muted">queue {{ m.queue }}</span></h2>

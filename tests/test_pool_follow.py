@@ -22,8 +22,9 @@ from ortq.demo import HOLDOUT_PATH, MODEL_PATH
 from ortq.errors import ConfigurationError
 from ortq.pool import status
 from ortq.pool.config import PoolConfig
-from ortq.pool.follow import Elastic, Follower, QueueState, SlotState, SlotView
+from ortq.pool.follow import Elastic, Follower, QueueReader, QueueState, SlotState, SlotView
 from ortq.producer import Producer
+from ortq.rqcompat import layout
 from ortq.settings import Settings
 from tests import onnx_models
 from tests.cli_support import invoke
@@ -386,4 +387,21 @@ def test_readers_skip_pool_records_that_are_not_a_pools(redis_url: str, model_na
     finally:
         connection.delete(*(status.pool_key(n) for n in junk))
         connection.srem(status.POOLS_SET, *junk, f"{model_name}-gone")
+        connection.close()
+
+
+def test_the_reader_counts_a_job_left_between_take_and_start(redis_url: str, model_name: str) -> None:
+    """A job a killed worker's BLMOVE moved to the intermediate list, never started, waits for a
+    worker of its model (rescue.lua puts it back): the reader counts it as queued, and a worker's
+    started job makes ``started`` true."""
+    connection = Settings.from_url(redis_url).connect()
+    queue = layout.QueueKeys.of(keys.queue_name(model_name))
+    reader = QueueReader(lambda url: Settings.from_url(url).connect(), lambda model: redis_url)
+    try:
+        assert reader.read({model_name: []}) == {model_name: QueueState(0)}
+        connection.rpush(queue.intermediate, "a-job-id")
+        connection.zadd(queue.started, {"another-job:execution": 1})
+        assert reader.read({model_name: []}) == {model_name: QueueState(1, started=True)}
+    finally:
+        connection.delete(queue.intermediate, queue.started)
         connection.close()

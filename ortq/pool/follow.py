@@ -2,21 +2,25 @@
 
 A ``[[model.workers]]`` group with ``max_workers`` (docs/pool.md, "Many models, one GPU") has that
 many slots; the supervisor runs a slot only while :class:`Follower` wants it. Every
-:data:`FOLLOW_SECONDS` the follower reads each model's queue length and each running worker's RQ
-state (:class:`QueueReader`), then decides, in this order:
+:data:`FOLLOW_SECONDS`, and whenever an elastic worker exits, the follower reads each model's queue
+length, whether its started registry holds a job, and each running worker's RQ state
+(:class:`QueueReader`). A model *waits* while it has queued jobs, or started ones and no worker
+running (a stopped or killed worker's orphans, which only a worker of the model takes back). A
+worker *serves* from the first look that finds it registered with RQ; before that it loads its
+model. Then, in this order:
 
 1. **Minimum**: a group below ``min_workers`` starts one, memory allowing.
-2. **Idle**: a worker whose model has had no queued job and no busy worker for ``idle_seconds``
-   stops, unless that takes its group below ``min_workers``.
-   A model "waits" while it has queued jobs, or started ones and no worker running (a stopped or
-   killed worker's orphans, which only a worker of the model takes back).
-3. **Waiting models**, those with no worker first, then the one waiting longest: a model with
-   queued jobs and fewer workers than ``max_workers`` starts one if its adapter's budget has room.
-   If not, it makes room: a worker of another model on that adapter that is above its minimum
-   and has run at least ``min_residency_seconds`` is stopped, the one idle longest first; a busy one only for a model
-   that has no worker at all (the one of the model with the most workers, then the longest
-   running). A stopped worker hands back what it took ahead and finishes its run (SIGTERM); the
-   waiting model starts once that memory is free.
+2. **Idle**: a serving worker whose model has had no queued job and no busy worker for
+   ``idle_seconds`` stops, unless that takes its group below ``min_workers``.
+3. **Waiting models**, those with no worker first, then the one waiting longest: a waiting model
+   with fewer workers than ``max_workers`` starts one if its adapter's budget has room. If not,
+   it makes room: a worker of another model on that adapter, above its minimum, that has served
+   at least ``min_residency_seconds`` is stopped, the one idle longest first; a busy one only for
+   a model that has no worker at all (of the model with the most workers, then the longest
+   running). A worker still loading is never stopped. The room made is kept for the model it was
+   made for, and no second worker is stopped for it while the first is stopping. A stopped worker
+   hands back what it took ahead and finishes its run (SIGTERM); the waiting model starts once
+   that worker has exited.
 
 So a model with waiting jobs and no worker gets one within ``min_residency_seconds`` plus the run
 its victim is in, its exit and one model load, whatever the other models' load; a worker is never
@@ -107,7 +111,7 @@ class Action:
 class _Model:
     #: Monotonic time the model last had a queued job or a busy worker (its start, before any).
     active_at: float
-    #: Since when it has had queued jobs (None: it has none).
+    #: Since when it has waited (module docstring; None: it does not).
     waiting_since: float | None = None
 
 
@@ -254,7 +258,8 @@ class _Tick:
             if s.spec.adapter == spec.adapter
             and s.spec.model != spec.model
             and len(self._live(s.spec.group)) > s.spec.min_workers
-            and (self._served(s) or -1.0) >= s.spec.min_residency_seconds
+            and (served := self._served(s)) is not None
+            and served >= s.spec.min_residency_seconds
         ]
         idle = [s for s in candidates if not self._is_busy(s)]
         victim: SlotView | None = None
@@ -277,10 +282,11 @@ class _Tick:
 
 
 class QueueReader:
-    """Reads what the follower decides on: per model its queue's length, whether its started
-    registry holds a job, and which of the pool's workers of it are busy (RQ's worker hash
-    ``state``), one pipeline per Redis; with the workers' own credentials (``+llen +zrange +hget``
-    are in the worker rule, docs/security.md)."""
+    """Reads what the follower decides on: per model the length of its queue and of its
+    intermediate list (taken by a BLMOVE, not yet started), whether its started registry holds a
+    job, and which of the pool's workers of it are busy (RQ's worker hash ``state``), one pipeline
+    per Redis; with the workers' own credentials (``+llen +zrange +hget`` are in the worker rule,
+    docs/security.md)."""
 
     def __init__(self, connect: Callable[[str], Any], url_for: Callable[[str], str]) -> None:
         self._connect, self._url_for = connect, url_for
@@ -298,13 +304,17 @@ class QueueReader:
                 connection = self._connections.get(url) or self._connections.setdefault(url, self._connect(url))
                 pipe = connection.pipeline(transaction=False)
                 for model in models:
-                    pipe.llen(keys.queue_key(model))
-                    pipe.zrange(layout.QueueKeys.of(keys.queue_name(model)).started, 0, 0)
+                    queue = layout.QueueKeys.of(keys.queue_name(model))
+                    pipe.llen(queue.queue)
+                    # A job a worker's BLMOVE moved there and that worker never started (killed
+                    # in between): it waits for a worker of the model to put it back (rescue.lua).
+                    pipe.llen(queue.intermediate)
+                    pipe.zrange(queue.started, 0, 0)
                     for name in workers[model]:
                         pipe.hget(layout.worker_key(name), "state")
                 replies = iter(pipe.execute())
                 for model in models:
-                    queued, started = int(next(replies)), bool(next(replies))
+                    queued, started = int(next(replies)) + int(next(replies)), bool(next(replies))
                     state = {name: keys.as_text(value) for name in workers[model] if (value := next(replies))}
                     busy = frozenset(name for name, value in state.items() if value == "busy")
                     states[model] = QueueState(queued, busy, started, frozenset(state))

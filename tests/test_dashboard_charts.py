@@ -17,7 +17,7 @@ import redis
 
 from ortq import keys
 from ortq.dashboard.app import create_app
-from ortq.dashboard.history import HEIGHT, WIDTH, History
+from ortq.dashboard.history import HEIGHT, MOST_LABELS, MOST_LINES, WIDTH, History
 from ortq.localredis import LocalRedis
 from ortq.pool import status
 from ortq.producer import Producer
@@ -118,3 +118,14 @@ def test_chromium_renders_the_charts(served: Served, tmp_path: Path) -> None:
     assert 'data-chart="Queue depth"' in dom and "<polyline" in dom, dom[:4000]
     assert keys.queue_name(served.idle) in dom
     assert screenshot.stat().st_size > 10_000 and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_series_keeps_a_bounded_number_of_lines() -> None:
+    """Model names come and go (a producer may make queues of any name): past MOST_LABELS lines a
+    series forgets the one seen last longest ago, so hours of new names hold bounded memory."""
+    history = History({}, Settings.heartbeat_seconds)
+    for n in range(MOST_LABELS + 500):
+        history._add("queued", f"junk-{n}", float(n), 1.0)
+    [chart] = history.charts(now=float(MOST_LABELS + 500))
+    assert len(chart.lines) == MOST_LINES and chart.left_out == MOST_LABELS - MOST_LINES
+    assert all(int(label.split("-")[1]) >= 500 for label, _, _, _ in chart.lines)  # the newest kept

@@ -20,6 +20,7 @@ import pytest
 from ortq import info, keys
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
 from ortq.errors import ConfigurationError
+from ortq.localredis import LocalRedis
 from ortq.pool import status
 from ortq.pool.config import PoolConfig
 from ortq.pool.follow import Elastic, Follower, QueueReader, QueueState, SlotState, SlotView
@@ -404,4 +405,31 @@ def test_the_reader_counts_a_job_left_between_take_and_start(redis_url: str, mod
         assert reader.read({model_name: []}) == {model_name: QueueState(1, started=True)}
     finally:
         connection.delete(queue.intermediate, queue.started)
+        connection.close()
+
+
+def test_pool_names_stay_bounded_for_readers_and_writers() -> None:
+    """ortq:pools is a set the worker rule may grow: 20,000 junk names cost a reader one bounded
+    read (MOST_POOLS of them, each record missing: nothing shown), and every publish forgets a few
+    names whose record is gone, so a killed pool's name does not stay for ever. A Redis of its own:
+    the junk would hide other tests' pools from their readers."""
+    with LocalRedis() as server:
+        connection = Settings.from_url(server.url).connect()
+        junk = [f"junk-{n}" for n in range(20_000)]
+        connection.sadd(status.POOLS_SET, *junk)
+        assert status.read_pools(connection) == []
+        publisher = status.Publisher(connection, "live.1")
+        record = status.PoolStatus("live.1").record({"cpu": 100 * MiB}, [])
+        for _ in range(50):
+            publisher.publish(record)
+        left = connection.scard(status.POOLS_SET)
+        assert left < 20_001 and connection.sismember(status.POOLS_SET, "live.1"), left
+        assert 20_001 - left >= 50, left  # at least one stale name forgotten a write (4 are looked at)
+        connection.delete(status.POOLS_SET)
+        connection.sadd(status.POOLS_SET, "live.1", "killed.2")  # killed.2's record expired
+        publisher.publish(record)
+        assert connection.smembers(status.POOLS_SET) == {b"live.1"}
+        assert [p["pool"] for p in status.read_pools(connection)] == ["live.1"]
+        publisher.withdraw()
+        assert status.read_pools(connection) == [] and not connection.exists(status.POOLS_SET)
         connection.close()

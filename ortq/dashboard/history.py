@@ -33,7 +33,9 @@ SAMPLE_SECONDS = 10.0
 KEPT_SAMPLES = 6 * 3600 // int(SAMPLE_SECONDS)
 #: Finished jobs read a sample and model for its latency percentiles.
 LATENCY_JOBS = 50
-#: The most lines a chart draws (the models with the highest values; the legend says so).
+#: The most lines a series keeps (memory bounded whatever names come and go) ...
+MOST_LABELS = 200
+#: ... and the most a chart draws (those with the highest values; the legend says so).
 MOST_LINES = 8
 #: Colours of the lines, in order.
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
@@ -114,15 +116,23 @@ class History:
                 self._add("memory", f"{prefix}{adapter['adapter']}", now, adapter["used_bytes"] / 2**20)
 
     def _add(self, series: str, label: str, now: float, value: float) -> None:
+        """One point of ``label``'s line. A series keeps MOST_LABELS lines: models come and go
+        (their names from what producers may write, among others), so a new one replaces the line
+        seen last longest ago, and its counts go with it."""
         with self._lock:
             lines = self._series.setdefault(series, {})
+            if label not in lines and len(lines) >= MOST_LABELS:
+                stale = min(lines, key=lambda name: lines[name][-1][0])
+                del lines[stale]
+                self._counts.pop(stale, None)
             lines.setdefault(label, deque(maxlen=KEPT_SAMPLES)).append((now, value))
 
     def charts(self, now: float | None = None) -> list[Chart]:
-        """The charts to draw now, sampling first when the last sample is SAMPLE_SECONDS old (a page
-        view of a dashboard whose sampling thread is not running still draws what it saw)."""
+        """The charts to draw now. The sampling thread keeps them fresh; a page view samples itself
+        only when nothing was sampled yet or the last sample is twice its interval old (no thread
+        runs: an app made without serve())."""
         now = time.monotonic() if now is None else now
-        if self._sampled_at is None or now - self._sampled_at >= SAMPLE_SECONDS:
+        if self._sampled_at is None or now - self._sampled_at >= 2 * SAMPLE_SECONDS:
             self.sample(now)
         with self._lock:
             series = {
@@ -158,15 +168,15 @@ def _latencies(connection: redis.Redis, models: list[str]) -> dict[str, tuple[fl
         for model in models:
             pipe.zrevrange(layout.QueueKeys.of(keys.queue_name(model)).finished, 0, LATENCY_JOBS - 1)
         listed = pipe.execute(raise_on_error=False)
-    found: dict[str, tuple[float, float]] = {}
-    for model, ids in zip(models, listed, strict=True):
-        if not isinstance(ids, list) or not ids:
-            continue
-        with connection.pipeline(transaction=False) as pipe:
-            for job_id in cast("list[bytes]", ids):
+    jobs = {model: cast("list[bytes]", ids) for model, ids in zip(models, listed, strict=True) if isinstance(ids, list)}
+    with connection.pipeline(transaction=False) as pipe:  # every model's jobs in one round trip
+        for ids in jobs.values():
+            for job_id in ids:
                 pipe.hmget(keys.job_key(keys.as_text(job_id)), ["enqueued_at", "ended_at"])
-            times = pipe.execute(raise_on_error=False)
-        waits = sorted(w for pair in times if (w := _wait(pair)) is not None)
+        times = iter(pipe.execute(raise_on_error=False))
+    found: dict[str, tuple[float, float]] = {}
+    for model, ids in jobs.items():
+        waits = sorted(w for pair in [next(times) for _ in ids] if (w := _wait(pair)) is not None)
         if waits:
             found[model] = (waits[len(waits) // 2], waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))])
     return found

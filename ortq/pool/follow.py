@@ -100,11 +100,13 @@ class QueueState:
 
 @dataclass(frozen=True)
 class Action:
-    """Start or stop slot ``number``, and why (the pool's log line)."""
+    """Start or stop slot ``number``, and why (the pool's log line); ``evicts``: a stop that makes
+    room for another model."""
 
     start: bool
     number: int
     why: str
+    evicts: bool = False
 
 
 @dataclass
@@ -174,9 +176,9 @@ class _Tick:
         at = self.ready_at.get(view.worker_name)
         return None if at is None else self.now - at
 
-    def _set(self, view: SlotView, state: SlotState, why: str) -> None:
+    def _set(self, view: SlotView, state: SlotState, why: str, evicts: bool = False) -> None:
         self.slots[self.slots.index(view)] = SlotView(view.number, view.spec, state, self.now, view.worker_name)
-        self.actions.append(Action(state is SlotState.RUNNING, view.number, why))
+        self.actions.append(Action(state is SlotState.RUNNING, view.number, why, evicts))
 
     def _live(self, group: int | None = None, model: str | None = None) -> list[SlotView]:
         return [
@@ -271,7 +273,8 @@ class _Tick:
             why = f"served {self._served(victim) or 0:.0f} s, past min_residency_seconds"
         if victim is None:
             return False
-        self._set(victim, SlotState.STOPPING, f"making room for {spec.model} (waiting jobs): {victim.spec.model} {why}")
+        why = f"making room for {spec.model} (waiting jobs): {victim.spec.model} {why}"
+        self._set(victim, SlotState.STOPPING, why, evicts=True)
         return True
 
     def _is_busy(self, view: SlotView) -> bool:

@@ -31,6 +31,8 @@ RECORD_TTL = 15
 #: Readers look at this many pools' records at most, and this much of each.
 MOST_POOLS = 100
 MOST_RECORD_BYTES = 64 * 1024
+#: Names of ortq:pools a write looks at, to forget those whose record is gone.
+PRUNED_A_WRITE = 4
 #: The pool's latest starts and stops, kept in its record.
 RECENT_ACTIONS = 20
 
@@ -64,11 +66,12 @@ class PoolStatus:
     loads: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_ACTIONS))
 
-    def acted(self, start: bool, label: str, model: str, why: str, cold: bool) -> None:
-        """A start (``cold``: its model had no worker) or a stop the follower decided."""
+    def acted(self, start: bool, label: str, model: str, why: str, cold: bool, evicts: bool) -> None:
+        """A start (``cold``: its model had no worker) or a stop (``evicts``: to make room for
+        another model) the follower decided."""
         if start and cold:
             self.cold_starts += 1
-        if not start and why.startswith("making room"):
+        if evicts:
             self.evictions += 1
         self.recent.append({"at": time.time(), "action": "start" if start else "stop", "worker": label,
                             "model": model, "why": why})  # fmt: skip
@@ -110,11 +113,22 @@ class Publisher:
         self.name = name
 
     def publish(self, record: dict[str, Any]) -> None:
+        """Write the record, and forget a few names in ``ortq:pools`` whose record is gone (pools
+        killed before they could withdraw theirs): the set holds about as many names as live pools,
+        not one more for every pool ever killed, so readers' MOST_POOLS reach the live ones."""
         try:
             with self._connection.pipeline(transaction=False) as pipe:
                 pipe.set(pool_key(self.name), json.dumps(record), ex=RECORD_TTL)
                 pipe.sadd(POOLS_SET, self.name)
-                pipe.execute()
+                pipe.srandmember(POOLS_SET, PRUNED_A_WRITE)
+                others = [m for m in pipe.execute()[2] if keys.as_text(m) != self.name]
+            if others:
+                with self._connection.pipeline(transaction=False) as pipe:
+                    for other in others:
+                        pipe.exists(pool_key(keys.as_text(other)))
+                    gone = [m for m, there in zip(others, pipe.execute(), strict=True) if not there]
+                if gone:
+                    self._connection.srem(POOLS_SET, *gone)
             self._failing = False
         except redis.RedisError as exc:
             if not self._failing:

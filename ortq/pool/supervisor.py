@@ -120,7 +120,8 @@ class Supervisor:
         for worker in self._workers:
             if worker.slot.elastic is not None:
                 worker.wanted, worker.next_start = False, None
-        self._elastic = [w for w in self._workers if w.slot.elastic is not None]
+        #: The elastic slots' workers, each with what the follower knows of its group.
+        self._elastic = [(w, w.slot.elastic) for w in self._workers if w.slot.elastic is not None]
         if self._elastic and queues is None:
             raise ValueError("elastic slots need a QueueReader")
         self._queues = queues
@@ -266,9 +267,7 @@ class Supervisor:
         assert self._queues is not None
         running: dict[str, list[str]] = {}
         views = []
-        for worker in self._elastic:
-            spec = worker.slot.elastic
-            assert spec is not None
+        for worker, spec in self._elastic:
             names = running.setdefault(spec.model, [])
             if worker.process is not None and worker.wanted:
                 state = SlotState.RUNNING
@@ -280,11 +279,11 @@ class Supervisor:
             else:
                 state = SlotState.OFF
             views.append(SlotView(worker.slot.number, spec, state, worker.started_at, worker.name, worker.given_up))
-        by_number = {w.slot.number: w for w in self._elastic}
+        by_number = {w.slot.number: (w, spec) for w, spec in self._elastic}
         for action in self._follower.decide(now, views, self._queues.read(running)):
-            worker = by_number[action.number]
-            model = worker.slot.elastic.model if worker.slot.elastic else ""
-            self._status.acted(action.start, worker.slot.label, model, action.why, cold=not running.get(model))
+            worker, spec = by_number[action.number]
+            cold = not running[spec.model]
+            self._status.acted(action.start, worker.slot.label, spec.model, action.why, cold, action.evicts)
             self._reasons[action.number] = action.why
             if action.start:
                 worker.wanted, worker.next_start = True, now
@@ -303,9 +302,7 @@ class Supervisor:
         ready_at = self._follower.ready_at
         budgets: dict[str, int | None] = {}
         now: list[WorkerNow] = []
-        for worker in self._elastic:
-            spec = worker.slot.elastic
-            assert spec is not None
+        for worker, spec in self._elastic:
             budgets[spec.adapter] = spec.budget_bytes
             if worker.process is None:
                 continue

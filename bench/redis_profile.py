@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --before: runs of each checkout")
     args = parser.parse_args()
     if args.before:
-        return side_by_side(args.before, args.rounds, ["--jobs", str(args.jobs), "--max-batch", str(args.max_batch)])
+        options = ["--jobs", str(args.jobs), "--max-batch", str(args.max_batch)]
+        return side_by_side(args.before, args.rounds, options, "bench.redis_profile", _MEASURES)
     for node_bytes in args.stream_node_max_bytes.split(","):
         for results in args.rq_results.split(","):
             for executions in args.rq_executions.split(","):
@@ -75,10 +76,7 @@ ON_OFF = {"on": True, "off": False}
 def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int, split: bool = False) -> None:
     with LocalRedis(stream_node_max_bytes=node_bytes) as server:
         settings = Settings.from_url(server.url, **records)
-        with Producer(settings=settings, allow_unknown_models=True) as producer:
-            rng = np.random.default_rng(0)
-            inputs = [{"pixels": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(8)]
-            producer.submit_many("digits", [inputs[i % 8] for i in range(jobs)])
+        fill(settings, jobs)
         connection = settings.connect()
         connection.config_resetstat()
         if split:
@@ -86,8 +84,7 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
             connection.config_set("slowlog-max-len", 1_000_000)
             connection.slowlog_reset()
         cpu_before = _cpu_seconds(connection)
-        config = WorkerConfig(MODEL_PATH, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
-        build_worker(config, settings).serve(handle_signals=False)
+        drain(settings, max_batch)
         stats = connection.info("commandstats")
         cpu = _cpu_seconds(connection) - cpu_before
         shares = _script_shares(connection) if split else {}
@@ -107,30 +104,52 @@ def profile(jobs: int, max_batch: int, records: dict[str, bool], node_bytes: int
             print(f"  {name:24} {usec:7.2f} us/job {calls:6.2f} calls/job")
 
 
+def fill(settings: Settings, jobs: int) -> None:
+    """Queue ``jobs`` digits jobs (8 distinct inputs in turn) through a real producer."""
+    with Producer(settings=settings, allow_unknown_models=True) as producer:
+        rng = np.random.default_rng(0)
+        inputs = [{"pixels": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(8)]
+        producer.submit_many("digits", [inputs[i % 8] for i in range(jobs)])
+
+
+def drain(settings: Settings, max_batch: int) -> None:
+    """One real worker, in this process, answers every queued digits job and stops (burst)."""
+    config = WorkerConfig(MODEL_PATH, "digits", threads=1, max_batch=max_batch, rows_independent=True, burst=True)
+    build_worker(config, settings).serve(handle_signals=False)
+
+
 _MEASURES = {
     "scripts": re.compile(r"the scripts ([0-9.]+) us/job"),
     "redis-server CPU": re.compile(r"redis-server's CPU in all .*? ([0-9.]+) us/job"),
 }
 
 
-def side_by_side(before: str, rounds: int, options: list[str]) -> None:
-    """This profile run from ``before`` and from here, alternated; the medians and their ratio."""
+def side_by_side(
+    before: str,
+    rounds: int,
+    options: list[str],
+    module: str,
+    measures: dict[str, re.Pattern[str]],
+    unit: str = "us/job",
+) -> None:
+    """The bench ``module`` run from ``before`` and from here, alternated; the medians of each of
+    ``measures`` (a pattern whose first group is the number in its output) and their ratio."""
     trees = {"before": before, "after": "."}
-    found: dict[str, dict[str, list[float]]] = {tag: {name: [] for name in _MEASURES} for tag in trees}
+    found: dict[str, dict[str, list[float]]] = {tag: {name: [] for name in measures} for tag in trees}
     for round_ in range(rounds):
         for tag in list(trees) if round_ % 2 == 0 else list(reversed(trees)):
-            command = [sys.executable, "-m", "bench.redis_profile", *options]
+            command = [sys.executable, "-m", module, *options]
             text = subprocess.run(command, cwd=trees[tag], check=True, capture_output=True, text=True).stdout
-            for name, pattern in _MEASURES.items():
+            for name, pattern in measures.items():
                 if match := pattern.search(text):
                     found[tag][name].append(float(match.group(1)))
             print(f"round {round_ + 1} {tag}: {text.splitlines()[0] if text else ''}")
-            print("  " + "; ".join(f"{name} {values[-1]:.1f} us/job" for name, values in found[tag].items() if values))
-    for name in _MEASURES:
+            print("  " + "; ".join(f"{name} {values[-1]:.1f} {unit}" for name, values in found[tag].items() if values))
+    for name in measures:
         medians = {tag: statistics.median(found[tag][name]) for tag in trees if found[tag][name]}
         if len(medians) == 2:
             ratio = medians["after"] / medians["before"]
-            print(f"{name}: before {medians['before']:.1f}, after {medians['after']:.1f} us/job (median of {rounds}): "
+            print(f"{name}: before {medians['before']:.1f}, after {medians['after']:.1f} {unit} (median of {rounds}): "
                   f"after / before {ratio:.2f}")  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from ortq.rqcompat import layout
 from ortq.rqcompat.book import Book, Skipped, StartedJob
 from ortq.settings import Settings, redis_message
 from ortq.worker.largeframes import read_large_frames
+from ortq.worker.unblock import Unblocker
 
 log = logging.getLogger("ortq.worker")
 
@@ -82,6 +83,8 @@ class Intake:
         # Neither Windows nor PEP 475 lets a signal cut a blocking socket read short: a stop request
         # is seen when the read returns.
         self.slice = 1.0 if sys.platform == "win32" else min(1.0, settings.block_slice)
+        #: Ends the blocking read above at a stop (its connection's id is read at each connect).
+        self.unblocker = Unblocker(connection, settings)
         #: Seconds the last batch waited for more jobs after its first (a timing in each response).
         self.batch_wait = 0.0
         self._suspended = False
@@ -105,8 +108,13 @@ class Intake:
         queue = self.book.queue
         try:
             if block:
-                # Redis >= 6 takes fractional timeouts; redis-py's annotation says int.
-                raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, self.slice))  # type: ignore[arg-type]
+                # Redis >= 6 takes fractional timeouts; redis-py's annotation says int. A stop ends
+                # this read at once (ortq.worker.unblock: Redis answers nil, no job moved).
+                self.unblocker.blocking.set()
+                try:
+                    raw = cast(bytes | None, self.connection.blmove(queue.queue, queue.intermediate, self.slice))  # type: ignore[arg-type]
+                finally:
+                    self.unblocker.blocking.clear()
             else:
                 raw = cast(bytes | None, self.connection.lmove(queue.queue, queue.intermediate))
         except redis.ResponseError as exc:

@@ -219,6 +219,7 @@ class Worker:
                      "ahead (%d job(s) held), then unregisters and exits; /ready answers 503 from now", why,
                      self.name, len(self.ledger.held()))  # fmt: skip
         self.stop_requested.set()
+        self.feeder.intake.unblocker.unblock()  # an idle feeder's read ends now, not within its slice
         self._ready(False)
 
     def _install_signal_handlers(self) -> None:

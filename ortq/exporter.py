@@ -149,6 +149,12 @@ class QueueCollector(Collector):
                 f"a model has more versions with parked jobs than a scrape looks at ({MOST_PARKED_VERSIONS}): "
                 f"{PARKED} leaves some out (ortq info says how many)",
             )
+        if info["skipped_pools"]:
+            self._once(
+                logging.WARNING,
+                f"{status.POOLS_SET} holds more pool names than a scrape looks at ({status.MOST_POOLS}): the "
+                "ortq_pool_* series may leave pools out (ortq info says how many)",
+            )
         models: list[dict[str, Any]] = info["models"]
         return models, self._oldest_ages(client, [m["model"] for m in models]), info["pools"]
 

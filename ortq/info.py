@@ -253,8 +253,9 @@ def collect(connection: redis.Redis, heartbeat_seconds: float = Settings.heartbe
                 "workers": [w for w in workers if w["model"] == name],
             }
         )
+    pools, skipped_pools = status.read_pools(connection)
     shown = {"models": models, "skipped_queues": skipped, "skipped_parked_versions": skipped_parked}
-    return {**shown, "pools": status.read_pools(connection)}
+    return {**shown, "pools": pools, "skipped_pools": skipped_pools}
 
 
 #: Versions with a parked list looked at per model at most: the workers' set of them may name as
@@ -347,19 +348,20 @@ def collect_shards(
     models: list[dict[str, Any]] = []
     warnings = []
     pools: list[dict[str, Any]] = []
-    skipped = skipped_parked = 0
+    skipped = skipped_parked = skipped_pools = 0
     for url, connection in connections.items():
         info = collect(connection, heartbeat_seconds)
         pools += info["pools"]
         skipped += info["skipped_queues"]
         skipped_parked += info["skipped_parked_versions"]
+        skipped_pools += info["skipped_pools"]
         for model in info["models"]:
             model["redis"] = redacted_url(url)
             models.append(model)
             if (warning := misplaced(model, url, shards)) is not None:
                 warnings.append(warning)
     shown = {"models": models, "warnings": warnings, "skipped_queues": skipped, "pools": pools}
-    return {**shown, "skipped_parked_versions": skipped_parked}
+    return {**shown, "skipped_parked_versions": skipped_parked, "skipped_pools": skipped_pools}
 
 
 def misplaced(model: dict[str, Any], url: str, shards: ShardMap) -> str | None:
@@ -464,6 +466,11 @@ def format_info(info: dict[str, Any]) -> str:
             f" names were not looked at (at most {_MOST_UNSERVED_QUEUES} are): a queue of theirs is not shown"
         )
     warnings += _parked_note(info)
+    if skipped_pools := info.get("skipped_pools", 0):
+        warnings += (
+            f"\nnote: {skipped_pools} name(s) in {status.POOLS_SET} were not looked at (at most {status.MOST_POOLS} "
+            "are): a pool of theirs is not shown"
+        )
     if info.get("pools"):  # pools that follow their queues (ortq.pool.status)
         warnings = "\n\n" + status.format_pools(info["pools"]) + warnings
     if not info["models"]:

@@ -145,16 +145,22 @@ class Publisher:
             pass  # it expires within RECORD_TTL anyway
 
 
-def read_pools(connection: redis.Redis) -> list[dict[str, Any]]:
+def read_pools(connection: redis.Redis) -> tuple[list[dict[str, Any]], int]:
     """The records of the pools that follow their queues on this Redis (at most MOST_POOLS), each
-    checked for its shape; a record that is gone, too large or malformed is left out."""
-    try:
-        members = connection.srandmember(POOLS_SET, MOST_POOLS)
-    except redis.exceptions.NoPermissionError:  # a reader's rule from before pools had records
-        return []
+    checked for its shape (a record that is gone, too large or malformed is left out), and how many
+    names of ``ortq:pools`` were not looked at (past MOST_POOLS: readers say so)."""
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.srandmember(POOLS_SET, MOST_POOLS)
+        pipe.scard(POOLS_SET)
+        members, count = pipe.execute(raise_on_error=False)
+    if isinstance(members, redis.exceptions.NoPermissionError):  # a reader's rule from before pools had records
+        return [], 0
+    if isinstance(members, Exception):  # WRONGTYPE: not the pools' set (anyone with ~ortq:* may write it)
+        return [], 0
     names = sorted(keys.as_text(m) for m in members) if isinstance(members, list) else []
+    skipped = max(0, count - len(names)) if isinstance(count, int) else 0
     if not names:
-        return []
+        return [], skipped
     with connection.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.getrange(pool_key(name), 0, MOST_RECORD_BYTES)
@@ -169,7 +175,7 @@ def read_pools(connection: redis.Redis) -> list[dict[str, Any]]:
             continue
         if _well_formed(record):
             pools.append(record)
-    return pools
+    return pools, skipped
 
 
 def _well_formed(record: Any) -> bool:

@@ -161,7 +161,7 @@ def signature_key(model: str, version: str | None = None) -> str:
 def parked_key(model: str, version: str) -> str:
     """List of the ids of ``model``'s jobs pinned to ``version`` that a worker of another version
     took off the queue: the start script of a worker of that version takes them before the queue.
-    Written by workers only."""
+    Written by workers; a producer's cancel takes its job off it (docs/wire-format.md, 3.7)."""
     return PARKED_PREFIX + model + "@" + version
 
 

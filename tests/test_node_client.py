@@ -32,6 +32,7 @@ import redis
 
 from ortq import keys, redisfunctions, wire
 from ortq.localredis import LocalRedis
+from ortq.rqcompat.book import Book
 from tests import onnx_models
 from tests.conftest import REPO, WorkerProcesses, eventually
 from tests.tcp_proxy import CommandCuttingProxy
@@ -507,6 +508,23 @@ def test_a_wait_goes_on_through_a_broken_xread(
         answer = cli("infer", proxy.url, model_name, "--timeout-ms", "20000", stdin=as_json({"x": x}))
         assert proxy.cuts == 1
     assert_bit_exact(answer["outputs"], {"y": x * 2 + 1})
+
+
+def test_a_cancel_takes_a_job_parked_for_its_version_off_its_parked_list(
+    node_client: Path, redis_url: str, model_name: str
+) -> None:
+    """Section 3.7: a job pinned to v9 that a worker of v1 parked (start.lua itself) is in no queue;
+    the client's cancel reads its pin and takes it off ortq:parked:<model>@v9, then cancels it."""
+    r = redis.Redis.from_url(redis_url)
+    x = np.ones((1, 4), dtype=np.float32)
+    job = cli("submit", redis_url, model_name, "--allow-unknown-model", stdin=as_json({"x": x}))["job"]
+    r.hset(keys.job_key(job), "ortq_version", "v9")  # as a producer pinning it writes it
+    book = Book(r, "parker", keys.queue_name(model_name), version="v1", parked_ttl=600)
+    reply, moment, _ = book.start(b"", 10)
+    assert [(s.entry.decode(), s.reason) for s in book.parse_start(reply, moment)[1]] == [(job, "parked")]
+    assert cli("cancel", redis_url, job, "--model", model_name) == {"job": job, "cancelled": True}
+    assert r.llen(keys.parked_key(model_name, "v9")) == 0 and r.hget(keys.job_key(job), "status") == b"canceled"
+    assert cli("cancel", redis_url, job, "--model", model_name) == {"job": job, "cancelled": False}
 
 
 def test_a_cancel_whose_lrem_reply_was_lost_cancels_the_job(node_client: Path, redis_url: str, model_name: str) -> None:

@@ -40,6 +40,7 @@ from ortq.localredis import LocalRedis
 from ortq.producer import Producer
 from ortq.redisfunctions import FUNCTION
 from ortq.rqcompat import layout
+from ortq.rqcompat.book import Book
 from ortq.settings import Settings
 from tests.conftest import WorkerProcesses, eventually
 from tests.test_fuzz import answers
@@ -53,8 +54,8 @@ ONE_MODEL_RULES = (
     "+type +strlen +set +get +mget +expire +hset +hget +sadd +srandmember +rpush +lpush +linsert +llen +lrem "
     "+xread +zadd "
     "%W~ortq:req:{model}:* ~rq:job:* %W~rq:queues ~rq:queue:ortq:{model} ~ortq:last-high:{model} "
-    "%R~ortq:reply:{model}:* %W~rq:canceled:ortq:{model} %R~ortq:signature:{model} %R~ortq:signature:{model}@* "
-    "%R~ortq:workers %R~ortq:worker:* "
+    "%R~ortq:reply:{model}:* %W~rq:canceled:ortq:{model} ~ortq:parked:{model}@* "
+    "%R~ortq:signature:{model} %R~ortq:signature:{model}@* %R~ortq:workers %R~ortq:worker:* "
     "(+del %W~ortq:req:{model}:* %W~rq:job:*)"
 )
 MODEL, OTHER = "tenant-a", "tenant-b"
@@ -215,6 +216,8 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
             "0-0",
         ),
         "read a large answer of the other model's": ("XREAD", "STREAMS", keys.large_reply_key(MODEL, "x"), "0-0"),
+        "take a job off the other model's parked list": ("LREM", keys.parked_key(MODEL, "v9"), "0", "x"),
+        "write its own model's parked versions": ("SADD", keys.parked_versions_key(OTHER), "x"),
     }
     for what, command in refused.items():
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -223,6 +226,24 @@ def test_a_producer_scoped_to_one_model_cannot_touch_another(tenants: Tenants) -
     b_side.close()
     with tenants.producer("producer-b") as producer, pytest.raises(ConfigurationError):
         producer.submit(MODEL, X)
+
+
+def test_a_producer_cancels_its_job_parked_for_a_version_under_its_rule(tenants: Tenants) -> None:
+    """A job pinned to v9 that a worker of v1 parked (start.lua itself, on the admin's connection)
+    is in no queue: its producer's cancel, under the one-model rule, takes it off the parked list
+    and cancels it (it returned False and left the job parked before); the rule grants the LREM."""
+    with held_in_the_queue(tenants), tenants.producer("producer-a") as producer:
+        job = producer.submit(MODEL, X)
+        tenants.admin.hset(keys.job_key(job.id), "ortq_version", "v9")  # as a producer pinning it writes it
+        book = Book(tenants.admin, "parker", keys.queue_name(MODEL), version="v1", parked_ttl=600)
+        reply, moment, _ = book.start(b"", 10)
+        _, skipped = book.parse_start(reply, moment)
+        assert [(s.entry.decode(), s.reason) for s in skipped] == [(job.id, "parked")]
+        assert job.cancel() is True
+        assert tenants.admin.llen(keys.parked_key(MODEL, "v9")) == 0
+        assert job.status() == "canceled" and not tenants.admin.exists(keys.request_key(MODEL, job.id))
+        assert job.cancel() is False  # gone from every list: nothing to take off, not started
+    assert not {d for d in tenants.denied() if d[0] == "producer-a"}
 
 
 def _all_suspended(tenants: Tenants) -> bool:

@@ -55,7 +55,7 @@ PRODUCER_RULES = (
     "+type +strlen +set +get +mget +expire +hset +hget +sadd +srandmember +rpush +lpush +linsert +llen +lrem "
     "+xread +zadd "
     "%W~ortq:req:* ~rq:job:* %W~rq:queues ~rq:queue:ortq:* ~ortq:last-high:* %R~ortq:reply:* "
-    "%W~rq:canceled:ortq:* %R~ortq:signature:* %R~ortq:workers %R~ortq:worker:* "
+    "%W~rq:canceled:ortq:* ~ortq:parked:*@* %R~ortq:signature:* %R~ortq:workers %R~ortq:worker:* "
     "(+del %W~ortq:req:* %W~rq:job:*)"
 )
 WORKER_RULES = (

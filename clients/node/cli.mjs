@@ -6,6 +6,7 @@
 //     both also take --no-validate (send inputs unchecked: the worker checks them) and
 //     --allow-unknown-model (enqueue for a model no worker has published a signature for yet)
 //   node cli.mjs result REDIS_URL JOB_ID --model MODEL [--nonce HEX] [--timeout-ms MS]
+//   node cli.mjs cancel REDIS_URL JOB_ID --model MODEL [--nonce HEX]   (prints {"job", "cancelled"})
 //     the result of a job submitted by another process, found through its job hash (ortq_answer: its
 //     entry in its producer's reply stream of MODEL); with
 //     --nonce (as submit printed it) the reply must carry the proof made from MODEL and that nonce
@@ -29,7 +30,7 @@ import { Client, DTYPES, OrtqError } from './ortq.mjs';
 
 /** Errors of this client's own checks, before anything was enqueued: exit status 2. */
 const LOCAL_USAGE_ERRORS = new Set(['ConfigurationError', 'InvalidInput', 'UnsupportedDtype', 'PayloadTooLarge', 'UnknownModel', 'ProtocolMismatch']);
-const USAGE = 'usage: node cli.mjs infer|submit|many REDIS_URL MODEL [options] < inputs.json | node cli.mjs result REDIS_URL JOB_ID --model MODEL [options]';
+const USAGE = 'usage: node cli.mjs infer|submit|many REDIS_URL MODEL [options] < inputs.json | node cli.mjs result|cancel REDIS_URL JOB_ID --model MODEL [options]';
 
 function tensorFromJson(name, spec) {
   const entry = DTYPES[spec?.dtype];
@@ -74,19 +75,23 @@ async function main(argv) {
     },
   });
   const [command, redisUrl, target] = positionals;
-  if (!['infer', 'submit', 'result', 'many'].includes(command) || !redisUrl || !target || positionals.length > 3) {
+  if (!['infer', 'submit', 'result', 'cancel', 'many'].includes(command) || !redisUrl || !target || positionals.length > 3) {
     throw new OrtqError('ConfigurationError', USAGE);
   }
   const number = (text) => (text === undefined ? undefined : Number(text));
   const client = new Client(redisUrl, { validate: !values['no-validate'], allowUnknownModels: values['allow-unknown-model'] });
-  let jobId = command === 'result' ? target : null;
+  let jobId = command === 'result' || command === 'cancel' ? target : null;
   try {
-    if (command === 'result') {
-      if (values.model === undefined) throw new OrtqError('ConfigurationError', `result needs the job's --model; ${USAGE}`);
+    if (command === 'result' || command === 'cancel') {
+      if (values.model === undefined) throw new OrtqError('ConfigurationError', `${command} needs the job's --model; ${USAGE}`);
       if (values.nonce !== undefined && !/^(?:[0-9a-fA-F]{2})+$/.test(values.nonce)) {
         throw new OrtqError('ConfigurationError', '--nonce takes the hex digits submit printed');
       }
       const nonce = values.nonce === undefined ? undefined : Buffer.from(values.nonce, 'hex');
+      if (command === 'cancel') {
+        print({ job: jobId, cancelled: await client.cancel(jobId, values.model, { nonce }) });
+        return 0;
+      }
       const outputs = await client.result(jobId, number(values['timeout-ms']), { model: values.model, nonce });
       print({ job: jobId, outputs: Object.fromEntries(Object.entries(outputs).map(([k, t]) => [k, tensorToJson(t)])) });
       return 0;

@@ -19,6 +19,8 @@ export { DTYPES, OrtqError, decodeResponse, encodeRequest, proofOf } from './fra
 export const PROTOCOL = 4;
 
 const MODEL_NAME = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
+// a version name is spelled as a model name is (section 3.3)
+const VERSION_NAME = MODEL_NAME;
 const JOB_ID = /^[A-Za-z0-9_-]{1,128}$/;
 const JOB_FUNC = 'ortq.rqjob.infer';
 const ENQUEUE_HIGH = 'ortq_enqueue_high_v2';
@@ -852,8 +854,16 @@ export class Client {
    * nonce its request carried, is given: its stop token is made from that nonce). */
   async cancel(jobId, model, { nonce } = {}) {
     const doing = `could not cancel job ${jobId}`;
-    const removed = this.#takenOff(this.queueKey(checkModelName(model)), checkJobId(jobId));
-    if (!(await redisCall(doing, removed, `the queue of ${model} is no list`))) {
+    const wrong = `the queue of ${model} or its list of jobs parked for a version is no list`;
+    let removed = await redisCall(doing, this.#takenOff(this.queueKey(checkModelName(model)), checkJobId(jobId)), wrong);
+    if (!removed) {
+      // parked for the version it is pinned to (section 3.7): off that list instead
+      const pin = await redisCall(doing, this.redis.hget(this.jobKey(jobId), 'ortq_version').catch(() => null));
+      if (typeof pin === 'string' && VERSION_NAME.test(pin)) {
+        removed = await redisCall(doing, this.#takenOff(`ortq:parked:${model}@${pin}`, jobId), wrong);
+      }
+    }
+    if (!removed) {
       const proof = nonce instanceof Uint8Array ? proofOf(model, nonce) : this.jobs.get(jobId)?.proof;
       return proof === undefined ? false : redisCall(doing, this.#requestStop(jobId, model, proof));
     }

@@ -7,15 +7,20 @@ from __future__ import annotations
 import redis
 
 from ortq import keys, redisfaults
+from ortq.errors import ConfigurationError
 from ortq.producer import enqueue
 from ortq.producer.steps import Command, Round, Steps, function_calls
 
 
 def cancel(job_id: str, model: str, proof: bytes | None = None) -> Steps[bool]:
-    """Whether the job was taken off its queue or asked to stop (False: it ended, or is unknown, or
-    it is started and ``proof`` is None: a handle without the job's nonce cannot stop it)."""
+    """Whether the job was taken off its queue (or off the list of jobs parked for the version it
+    is pinned to) or asked to stop (False: it ended, or is unknown, or it is started and ``proof``
+    is None: a handle without the job's nonce cannot stop it)."""
     try:
-        if not (yield from _taken_off(job_id, model)):
+        taken_off = yield from _taken_off(job_id, keys.queue_key(model))
+        if not taken_off and (parked := (yield from _parked_list(job_id, model))) is not None:
+            taken_off = yield from _taken_off(job_id, parked)
+        if not taken_off:
             return False if proof is None else (yield from request_stop(job_id, model, proof))
         # A job hash that is no hash: the job is off the queue anyway (its reply is not looked at).
         records = Round(lambda pipe: enqueue.add_cancel(pipe, job_id, model), transaction=True)
@@ -26,19 +31,31 @@ def cancel(job_id: str, model: str, proof: bytes | None = None) -> Steps[bool]:
             # never. The writes are the same whether the first ran or not: sent once more.
             yield records
     except redis.RedisError as exc:
-        wrong = f"the queue of {model!r} ({keys.queue_key(model)}) is no list"
+        wrong = f"the queue of {model!r} ({keys.queue_key(model)}) or its list of jobs parked for a version is no list"
         raise redisfaults.failure(exc, f"could not cancel job {job_id}", wrong) from exc
     return True
 
 
-def _taken_off(job_id: str, model: str) -> Steps[bool]:
-    """LREM of the job from its queue, sent once (steps.Round ``once``): sent again after a lost
-    reply, an LREM that had run answers 0, and the job, off its queue, would be neither cancelled
-    nor ever run. After a connection error or a timeout it is sent once more (LREM takes off what
-    is left, so nothing runs twice) and, answering 0, the job's status says what the first did: a
-    job still ``queued`` is in no queue now, so it was taken off (or a worker has just moved it
-    to start it: cancelled, it is not started)."""
-    remove = Round(lambda pipe: pipe.lrem(keys.queue_key(model), 0, job_id), transaction=False, once=True)
+def _parked_list(job_id: str, model: str) -> Steps[str | None]:
+    """The list a worker of another version parks the job in when it is pinned to a version
+    (its hash's ``ortq_version``: start.lua), None when it names none a worker could have parked it for."""
+    pin = yield Command("hget", keys.job_key(job_id), "ortq_version")
+    if not isinstance(pin, bytes):  # none, or no hash (WRONGTYPE: nothing parked under its name)
+        return None
+    try:
+        return keys.parked_key(model, keys.check_version_name(keys.as_text(pin)))
+    except (ConfigurationError, UnicodeDecodeError):  # a pin no worker parks for (it answers InvalidJob)
+        return None
+
+
+def _taken_off(job_id: str, key: str) -> Steps[bool]:
+    """LREM of the job from its queue (or parked list) ``key``, sent once (steps.Round ``once``):
+    sent again after a lost reply, an LREM that had run answers 0, and the job, off its queue,
+    would be neither cancelled nor ever run. After a connection error or a timeout it is sent once
+    more (LREM takes off what is left, so nothing runs twice) and, answering 0, the job's status
+    says what the first did: a job still ``queued`` is in no list now, so it was taken off (or a
+    worker has just moved it to start it: cancelled, it is not started)."""
+    remove = Round(lambda pipe: pipe.lrem(key, 0, job_id), transaction=False, once=True)
     try:
         [removed] = yield remove
     except (redis.ConnectionError, redis.TimeoutError):

@@ -60,7 +60,11 @@ class InferenceFailed(OrtqError):
 
 class BrokerUnavailable(OrtqError):
     """Redis could not be reached (refused, reset or timed out). For a submit it is unknown whether the
-    jobs were enqueued when the connection dropped during the write; waits give up at their timeout."""
+    jobs were enqueued when the connection dropped during the write (``maybe_enqueued``); waits give
+    up at their timeout."""
+
+    #: A submit's write had begun: its jobs may be in Redis (False: nothing was enqueued).
+    maybe_enqueued: bool = False
 
 
 class CorruptRecord(OrtqError):

@@ -114,6 +114,12 @@ class Settings:
     wait_replicas: int = 0
     #: Milliseconds each WAIT for ``wait_replicas`` may take.
     wait_replicas_ms: int = 1000
+    #: Seconds a producer's submit goes on trying while Redis is unavailable (a Sentinel failover's
+    #: window, a restart), backing off from 0.1 s to 1 s; 0, the default: it raises
+    #: BrokerUnavailable at once. Only what cannot enqueue a job twice is tried again: a submit with
+    #: ``job_id`` and ``unique=True`` (and ``infer``, which then picks its job's id itself), and any
+    #: submit whose failure came before its write (docs/ha.md).
+    submit_retry_seconds: float = 0.0
     #: Models whose queues are on another Redis than ``redis_url``: ``MODEL=URL,MODEL=URL``
     #: (ortq/shards.py). Producers and the ``ortq`` commands route by it; workers ignore it (each
     #: takes its model's URL as its ``redis_url``). Empty: every model on ``redis_url``. Left out of
@@ -134,6 +140,10 @@ class Settings:
             raise ConfigurationError(
                 f"wait_replicas must be >= 0 and wait_replicas_ms positive, got {self.wait_replicas}"
                 f" and {self.wait_replicas_ms}"
+            )
+        if not 0 <= self.submit_retry_seconds <= 3600:
+            raise ConfigurationError(
+                f"submit_retry_seconds must be between 0 and 3600, got {self.submit_retry_seconds}"
             )
         if self.max_queue_length < 0:
             raise ConfigurationError(f"max_queue_length must be >= 0, got {self.max_queue_length}")

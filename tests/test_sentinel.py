@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,13 +239,20 @@ class Submitted:
             self.jobs.append((job_id, x, who))
 
 
-def _sync_producer(url: str, model: str, sent: Submitted, stop: threading.Event) -> None:
+def _own_ids(retry: float) -> dict[str, object]:
+    """Submit options: with ``retry`` (submit_retry_seconds), an id of the submit's own and
+    unique=True, which a retried submit cannot enqueue twice (ortq/producer/submitting.py)."""
+    return {"job_id": str(uuid.uuid4()), "unique": True} if retry else {}
+
+
+def _sync_producer(url: str, model: str, sent: Submitted, stop: threading.Event, retry: float = 0) -> None:
     rng = np.random.default_rng(1)
-    with Producer(settings=Settings.from_url(url, wait_replicas=WAIT_REPLICAS)) as producer:
+    settings = Settings.from_url(url, wait_replicas=WAIT_REPLICAS, submit_retry_seconds=retry)
+    with Producer(settings=settings) as producer:
         while not stop.is_set():
             x = rng.standard_normal((1, 4)).astype(np.float32)
             try:
-                sent.add(producer.submit(model, {"x": x}).id, x, "sync")
+                sent.add(producer.submit(model, {"x": x}, **_own_ids(retry)).id, x, "sync")  # type: ignore[arg-type]
             except BrokerUnavailable as exc:
                 sent.refused.append(f"sync: {exc}")
                 sent.refused_at.append(time.monotonic())
@@ -253,14 +261,16 @@ def _sync_producer(url: str, model: str, sent: Submitted, stop: threading.Event)
             time.sleep(0.01)
 
 
-def _async_producer(url: str, model: str, sent: Submitted, stop: threading.Event) -> None:
+def _async_producer(url: str, model: str, sent: Submitted, stop: threading.Event, retry: float = 0) -> None:
     async def run() -> None:
         rng = np.random.default_rng(2)
-        async with AsyncProducer(settings=Settings.from_url(url, wait_replicas=WAIT_REPLICAS)) as producer:
+        settings = Settings.from_url(url, wait_replicas=WAIT_REPLICAS, submit_retry_seconds=retry)
+        async with AsyncProducer(settings=settings) as producer:
             while not stop.is_set():
                 x = rng.standard_normal((1, 4)).astype(np.float32)
                 try:
-                    sent.add((await producer.submit(model, {"x": x})).id, x, "async")
+                    job = await producer.submit(model, {"x": x}, **_own_ids(retry))  # type: ignore[arg-type]
+                    sent.add(job.id, x, "async")
                 except BrokerUnavailable as exc:
                     sent.refused.append(f"async: {exc}")
                     sent.refused_at.append(time.monotonic())
@@ -272,17 +282,24 @@ def _async_producer(url: str, model: str, sent: Submitted, stop: threading.Event
 
 
 def _drain_through_a_failover(
-    group: SentinelGroup, tiny_path: Path, model: str, tmp_path: Path, fail_over: object, switched: object = None
+    group: SentinelGroup,
+    tiny_path: Path,
+    model: str,
+    tmp_path: Path,
+    fail_over: object,
+    switched: object = None,
+    retry: float = 0,
 ) -> tuple[Submitted, int]:
     """Workers and producers on the Sentinel URL; ``fail_over(primary_port)`` once ~100 jobs are
     in, ``switched(old_port)`` once the sentinels name the new primary; producers go on until ~100
-    more are in on the new primary. Returns what was sent and the new primary's port."""
+    more are in on the new primary. ``retry``: the producers' submit_retry_seconds (their submits
+    then have ids of their own, unique). Returns what was sent and the new primary's port."""
     os.environ["ORTQ_WAIT_REPLICAS"] = str(WAIT_REPLICAS)  # the workers', undone below
     workers = WorkerProcesses(tmp_path)
     sent, stop = Submitted(), threading.Event()
     threads = [
-        threading.Thread(target=_sync_producer, args=(group.url, model, sent, stop)),
-        threading.Thread(target=_async_producer, args=(group.url, model, sent, stop)),
+        threading.Thread(target=_sync_producer, args=(group.url, model, sent, stop, retry)),
+        threading.Thread(target=_async_producer, args=(group.url, model, sent, stop, retry)),
     ]
     try:
         workers.serve(tiny_path, model, group.url, 1, "--max-batch", "8", "--rows-independent", "--max-wait-ms", "5")
@@ -366,6 +383,22 @@ def test_a_primary_killed_mid_drain_is_replaced_and_its_jobs_answered_once(
     sent, new = _drain_through_a_failover(group, tiny_path, model_name, tmp_path, kill, group.restart)
     _answered_once(new, model_name, [job_id for job_id, _, _ in sent.jobs])
     print(f"{len(sent.jobs)} jobs answered once; {len(sent.refused)} submits refused during the failover")
+
+
+def test_through_a_failover_a_submit_that_may_be_made_again_is_retried_not_refused(
+    group: SentinelGroup, tiny_path: Path, model_name: str, tmp_path: Path
+) -> None:
+    """With submit_retry_seconds, producers whose submits have their own ids (unique) ride out a
+    killed primary's window: no submit raises (before, each one in the window raised
+    BrokerUnavailable), and every job is answered once."""
+
+    def kill(primary: int) -> None:
+        group.processes[primary].send_signal(signal.SIGKILL)
+
+    sent, new = _drain_through_a_failover(group, tiny_path, model_name, tmp_path, kill, group.restart, retry=120)
+    assert not sent.refused, sent.refused[:5]
+    _answered_once(new, model_name, [job_id for job_id, _, _ in sent.jobs])
+    assert len({job_id for job_id, _, _ in sent.jobs}) == len(sent.jobs)
 
 
 def test_an_unknown_service_or_no_sentinel_is_a_clear_error(group: SentinelGroup) -> None:

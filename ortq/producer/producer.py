@@ -219,7 +219,8 @@ class Producer:
         worker spends time on an answer nobody waits for.
         """
         checks.wait_timeout(timeout)
-        job = self.submit(model, inputs, **options)
+        job_id = submitting.own_job_id(self.settings)  # with submit_retry_seconds: retried safely
+        job = self.submit(model, inputs, job_id=job_id, unique=job_id is not None, **options)
         try:
             return job.result(timeout)
         except ResultTimeout:

@@ -4,6 +4,8 @@ where Redis lacks ortq's functions, and leaving nothing half-enqueued."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -14,11 +16,14 @@ from ortq.errors import BrokerUnavailable, ConfigurationError
 from ortq.producer import checks, enqueue, lookups
 from ortq.producer.enqueue import JobOptions
 from ortq.producer.replybook import ReplyBook
-from ortq.producer.steps import Command, Round, Steps, function_calls
+from ortq.producer.steps import Command, Pause, Round, Steps, function_calls
 from ortq.rqcompat import layout
 from ortq.settings import Settings
 
 H = TypeVar("H")
+T = TypeVar("T")
+
+log = logging.getLogger("ortq.producer")
 
 
 def submit_many(
@@ -35,10 +40,51 @@ def submit_many(
     """Validate every job (model, inputs, ids, queue room), then enqueue them all; returns their
     handles (``make``: the producer's handle class, bound to it). ``options``: checked already
     (checks.job_options), before anything else. ``book``: the producer's reply book of this Redis,
-    told of the jobs before they are sent (their answers may come before the enqueue returns)."""
+    told of the jobs before they are sent (their answers may come before the enqueue returns).
+
+    With ``settings.submit_retry_seconds``, a submit that found Redis unavailable is made again,
+    whole, until that many seconds have passed, when making it again cannot enqueue a job twice:
+    its ids chosen and ``unique`` (a job already there is that job: the unique enqueue never
+    writes twice), or a failure before the write began (``BrokerUnavailable.maybe_enqueued``)."""
     checks.unique_needs_ids(unique, job_ids)  # before any round trip: nothing is sent
+    many, chosen = list(many_inputs), None if job_ids is None else list(job_ids)
+
+    def attempt() -> Steps[list[H]]:
+        return _submit_once(settings, check, make, model, many, options, chosen, unique, book)
+
+    return (yield from _retried(settings, unique, attempt))
+
+
+def own_job_id(settings: Settings) -> str | None:
+    """The id ``infer`` gives its job itself when submits are tried again (``submit_retry_seconds``),
+    submitted with ``unique=True`` so that a retried submit cannot enqueue it twice; else None."""
+    return enqueue.new_job_ids(1)[0] if settings.submit_retry_seconds else None
+
+
+def _retried(settings: Settings, unique: bool, attempt: Callable[[], Steps[T]]) -> Steps[T]:
+    """``attempt()``'s steps, made again while they raise BrokerUnavailable and may be (see
+    :func:`submit_many`), backing off from 0.1 s to 1 s, for ``submit_retry_seconds`` at most."""
+    deadline = time.monotonic() + settings.submit_retry_seconds
+    pause = 0.1
+    while True:
+        try:
+            return (yield from attempt())
+        except BrokerUnavailable as exc:
+            may_again = unique or not exc.maybe_enqueued  # no job can go in twice
+            if not may_again or time.monotonic() + pause > deadline:
+                if exc.maybe_enqueued and settings.submit_retry_seconds and not unique:
+                    exc.args = (f"{exc} (not tried again: a submit with job_id and unique=True would be)",)
+                raise
+            log.warning("%s; trying the submit again in %.1f s (submit_retry_seconds)", exc, pause)
+        yield Pause(pause)
+        pause = min(pause * 2, 1.0)
+
+
+def _submit_once(settings: Settings, check: lookups.ModelCheck, make: Callable[..., H], model: str,
+                 many: list[Mapping[str, Any]], options: JobOptions, job_ids: list[str] | None, unique: bool,
+                 book: ReplyBook | None) -> Steps[list[H]]:  # fmt: skip
+    """One try of :func:`submit_many`, its arguments checked and listed."""
     signature = yield from lookups.checked_model(check, model, options.version)
-    many = list(many_inputs)
     nonces = enqueue.new_nonces(len(many))
     # The smaller of the producer's limit and the one the model's workers publish: a larger frame
     # would be refused by the worker, after a round trip and a job's records.
@@ -71,6 +117,7 @@ def submit_many(
         error = redisfaults.failure(exc, f"could not enqueue {len(frames)} job(s) for {model!r}")
         if isinstance(error, BrokerUnavailable):
             error = BrokerUnavailable(f"{error}; {enqueue.MAYBE_ENQUEUED}")
+            error.maybe_enqueued = True
         raise error from exc
     return [make(i, model, nonce, digest, options.version) for i, nonce in zip(ids, nonces, strict=True)]
 

@@ -105,9 +105,9 @@ def test_without_the_setting_nothing_is_tried_again() -> None:
 
 
 def test_infer_picks_its_own_job_id_only_when_submits_are_retried() -> None:
-    assert own_job_id(Settings()) is None
+    assert own_job_id(Settings()) == {}
     chosen = own_job_id(Settings(submit_retry_seconds=5))
-    assert chosen is not None and str(uuid.UUID(chosen)) == chosen
+    assert chosen["unique"] is True and str(uuid.UUID(chosen["job_id"])) == chosen["job_id"]
     with pytest.raises(ConfigurationError, match="submit_retry_seconds"):
         Settings(submit_retry_seconds=-1)
     assert Settings.from_env({"ORTQ_SUBMIT_RETRY_SECONDS": "30"}).submit_retry_seconds == 30

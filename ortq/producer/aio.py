@@ -277,8 +277,7 @@ class AsyncProducer:
         or a client that went away), the job is taken off the queue if no worker has started it.
         """
         checks.wait_timeout(timeout)
-        job_id = submitting.own_job_id(self.settings)  # with submit_retry_seconds: retried safely
-        job = await self.submit(model, inputs, job_id=job_id, unique=job_id is not None, **options)
+        job = await self.submit(model, inputs, **options, **submitting.own_job_id(self.settings))
         try:
             return await job.result(timeout)
         except ResultTimeout:

@@ -219,8 +219,7 @@ class Producer:
         worker spends time on an answer nobody waits for.
         """
         checks.wait_timeout(timeout)
-        job_id = submitting.own_job_id(self.settings)  # with submit_retry_seconds: retried safely
-        job = self.submit(model, inputs, job_id=job_id, unique=job_id is not None, **options)
+        job = self.submit(model, inputs, **options, **submitting.own_job_id(self.settings))
         try:
             return job.result(timeout)
         except ResultTimeout:

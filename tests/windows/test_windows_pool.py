@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from ortq.demo import HOLDOUT_PATH, MODEL_PATH
+from ortq.errors import ResultTimeout
 from ortq.localredis import LocalRedis
 from ortq.pool import status
 from ortq.producer import Producer
@@ -151,10 +152,11 @@ def test_pool_serves_restarts_and_stops_on_windows(wine: WineSession, tmp_path: 
 
 
 def elastic_config(folder: Path, models: list[str]) -> Path:
-    """Two copies of the digits model in elastic groups under one worker's budget (ortq.pool.follow):
+    """Two copies of the digits model in elastic groups under one worker's budget (a worker: ~116 MiB
+    estimated on Windows; two do not fit in 150; ortq.pool.follow):
     serving one means stopping the other's worker, on Windows by RQ's shutdown command."""
     (folder / "digits.onnx").write_bytes(MODEL_PATH.read_bytes())
-    text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 100\nmin_residency_seconds = 0.5\ngrace_seconds = 20\n"
+    text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 150\nmin_residency_seconds = 0.5\ngrace_seconds = 20\n"
     for model in models:
         text += textwrap.dedent(f"""
             [[model]]
@@ -188,7 +190,11 @@ def test_an_elastic_pool_makes_room_for_the_model_with_jobs_on_windows(wine: Win
                 rows = pixels[4 * turn : 4 * turn + 4]
                 jobs = producer.submit_many(model, [{"pixels": row[None]} for row in rows])
                 # the producer's own wait covers the worker's start under Wine; it bounds only a hang
-                for got, row in zip(producer.results(jobs, timeout=4 * START_TIMEOUT), rows, strict=True):
+                try:
+                    answers = producer.results(jobs, timeout=START_TIMEOUT)
+                except ResultTimeout:
+                    pytest.fail(f"turn {turn}: {model}'s jobs not answered:\n{pool.text()}")
+                for got, row in zip(answers, rows, strict=True):
                     assert_outputs_equal(got, cpu_reference(MODEL_PATH, {"pixels": row[None]}))
             records, _ = status.read_pools(producer.connection)  # as ortq info reads them
             assert len(records) == 1 and records[0]["evictions"] >= 2, records

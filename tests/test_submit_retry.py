@@ -18,7 +18,7 @@ from ortq import keys
 from ortq.errors import BrokerUnavailable, ConfigurationError
 from ortq.localredis import LocalRedis
 from ortq.producer import Producer
-from ortq.producer.submitting import own_job_id
+from ortq.producer.submitting import infer_options
 from ortq.settings import Settings
 from tests.conftest import PROCESS_SAFETY_SECONDS, eventually
 from tests.tcp_proxy import CommandCuttingProxy
@@ -104,9 +104,9 @@ def test_without_the_setting_nothing_is_tried_again() -> None:
         assert "would be" not in str(raised.value)
 
 
-def test_infer_picks_its_own_job_id_only_when_submits_are_retried() -> None:
-    assert own_job_id(Settings()) == {}
-    chosen = own_job_id(Settings(submit_retry_seconds=5))
+def test_infer_gives_its_job_an_id_of_its_own_only_when_submits_are_retried() -> None:
+    assert infer_options(Settings()) == {}
+    chosen = infer_options(Settings(submit_retry_seconds=5))
     assert chosen["unique"] is True and str(uuid.UUID(chosen["job_id"])) == chosen["job_id"]
     with pytest.raises(ConfigurationError, match="submit_retry_seconds"):
         Settings(submit_retry_seconds=-1)

@@ -44,7 +44,7 @@ def _is_blocked(admin: redis.Redis, client_id: int | None) -> bool:
 def test_a_stop_ends_the_blocked_read_of_a_reconnected_client(redis_url: str, connection: redis.Redis) -> None:
     settings = Settings.from_url(redis_url)
     client = settings.connect(check=False)
-    unblocker = Unblocker(client, settings)
+    unblocker = Unblocker(client, settings, window=1.0)
     client.ping()
     first = unblocker.client_id
     assert first is not None and first == int(client.client_info()["id"])
@@ -76,7 +76,7 @@ def test_without_client_unblock_in_the_rule_the_read_ends_by_itself_and_the_work
         )
         settings = Settings.from_url(f"redis://{user}:{password}@{host}:{port}/0")
         client = settings.connect(check=False)
-        unblocker = Unblocker(client, settings)
+        unblocker = Unblocker(client, settings, window=1.0)
         client.ping()
         caplog.set_level(logging.WARNING, "ortq.worker")
         for _ in range(2):

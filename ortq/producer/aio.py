@@ -277,7 +277,7 @@ class AsyncProducer:
         or a client that went away), the job is taken off the queue if no worker has started it.
         """
         checks.wait_timeout(timeout)
-        job = await self.submit(model, inputs, **options, **submitting.own_job_id(self.settings))
+        job = await self.submit(model, inputs, **options, **submitting.infer_options(self.settings))
         try:
             return await job.result(timeout)
         except ResultTimeout:

@@ -219,7 +219,7 @@ class Producer:
         worker spends time on an answer nobody waits for.
         """
         checks.wait_timeout(timeout)
-        job = self.submit(model, inputs, **options, **submitting.own_job_id(self.settings))
+        job = self.submit(model, inputs, **options, **submitting.infer_options(self.settings))
         try:
             return job.result(timeout)
         except ResultTimeout:

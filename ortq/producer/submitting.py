@@ -55,7 +55,7 @@ def submit_many(
     return (yield from _retried(settings, unique, attempt))
 
 
-def own_job_id(settings: Settings) -> dict[str, Any]:
+def infer_options(settings: Settings) -> dict[str, Any]:
     """``infer``'s own submit options: where submits are tried again (``submit_retry_seconds``), an
     id of its own and ``unique=True``, so that a retried submit cannot enqueue its job twice."""
     return {"job_id": enqueue.new_job_ids(1)[0], "unique": True} if settings.submit_retry_seconds else {}

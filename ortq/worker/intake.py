@@ -84,7 +84,7 @@ class Intake:
         # is seen when the read returns.
         self.slice = 1.0 if sys.platform == "win32" else min(1.0, settings.block_slice)
         #: Ends the blocking read above at a stop (its connection's id is read at each connect).
-        self.unblocker = Unblocker(connection, settings)
+        self.unblocker = Unblocker(connection, settings, window=self.slice)
         #: Seconds the last batch waited for more jobs after its first (a timing in each response).
         self.batch_wait = 0.0
         self._suspended = False

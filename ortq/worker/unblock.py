@@ -32,8 +32,10 @@ _ID = re.compile(rb"(?:^|\s)id=([0-9]+)(?:\s|$)")
 class Unblocker:
     """Knows the id of one client's connection and ends its blocking read on request."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, window: float) -> None:
         self.settings = settings
+        #: How long a stop looks for a read to end: the longest read the client blocks in.
+        self.window = window
         #: The id Redis gave the client's connection when it last connected; None: not known.
         self.client_id: int | None = None
         #: Set while the client is in a blocking read that a stop should end (Intake sets it).
@@ -58,22 +60,20 @@ class Unblocker:
         self.client_id = int(found.group(1)) if found else None
 
     def unblock(self) -> None:
-        """End the client's blocking read, now or as soon as it begins one within ``WINDOW``
+        """End the client's blocking read, now or as soon as it begins one within ``window``
         seconds (the stop was asked for just before it): in a thread of its own, since this may
         be called from a signal handler, which must not wait on the network."""
         if self.client_id is not None:
             threading.Thread(target=self._send, name="ortq-unblock", daemon=True).start()
 
-    #: How long a stop looks for a read to end: the longest read the feeder blocks in (its slice).
-    WINDOW = 1.0
-
     def _send(self) -> None:
-        deadline = time.monotonic() + self.WINDOW
+        deadline = time.monotonic() + self.window
         try:
             with self.settings.connect(check=False) as connection:
-                while time.monotonic() < deadline:
+                while (left := deadline - time.monotonic()) > 0:
+                    # UNBLOCK answers 0 while the read, marked just before it is sent, is not yet in Redis
                     client_id = self.client_id
-                    if self.blocking.is_set() and client_id is not None and connection.client_unblock(client_id):
+                    if self.blocking.wait(left) and client_id is not None and connection.client_unblock(client_id):
                         log.info("the stop ended the idle read at once (CLIENT UNBLOCK)")
                         return
                     time.sleep(0.02)
@@ -81,6 +81,6 @@ class Unblocker:
             if not self._told_refused:
                 self._told_refused = True
                 log.warning("the worker's ACL rule lacks +client|unblock (docs/security.md): an idle worker's stop "
-                            "waits for its read to end (up to 1 s): %s", redis_message(exc))  # fmt: skip
+                            "waits for its read to end (up to %g s): %s", self.window, redis_message(exc))  # fmt: skip
         except (redis.RedisError, OSError) as exc:  # the read still ends by itself within its slice
             log.debug("CLIENT UNBLOCK failed: %s", exc)

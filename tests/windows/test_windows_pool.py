@@ -26,6 +26,7 @@ from ortq.localredis import LocalRedis
 from ortq.pool import status
 from ortq.producer import Producer
 from ortq.settings import Settings
+from tests.test_pool_follow import model_table
 from tests.windows.test_windows_worker import (  # the module's fixtures and checks (its skip rules apply here)
     START_TIMEOUT,
     assert_outputs_equal,
@@ -152,21 +153,12 @@ def test_pool_serves_restarts_and_stops_on_windows(wine: WineSession, tmp_path: 
 
 
 def elastic_config(folder: Path, models: list[str]) -> Path:
-    """Two copies of the digits model in elastic groups under one worker's budget (a worker: ~116 MiB
-    estimated on Windows; two do not fit in 150; ortq.pool.follow):
-    serving one means stopping the other's worker, on Windows by RQ's shutdown command."""
+    """Two copies of the digits model in elastic groups under one worker's budget (100 MiB a worker,
+    configured; two do not fit in 150; ortq.pool.follow): serving one means stopping the other's
+    worker, on Windows by RQ's shutdown command."""
     (folder / "digits.onnx").write_bytes(MODEL_PATH.read_bytes())
     text = "[pool]\nmeasure_memory = false\nmemory_budget_mib = 150\nmin_residency_seconds = 0.5\ngrace_seconds = 20\n"
-    for model in models:
-        text += textwrap.dedent(f"""
-            [[model]]
-            name = "{model}"
-            path = "digits.onnx"
-            threads = 1
-            [[model.workers]]
-            max_workers = 1
-            idle_seconds = 600
-        """)
+    text += "".join(model_table(model, "digits.onnx", "max_workers = 1\nidle_seconds = 600\n") for model in models)
     path = folder / "pool.toml"
     path.write_text(text)
     return path
